@@ -1,0 +1,1 @@
+"""Lightning callbacks for studying depth routing."""

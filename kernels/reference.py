@@ -1,0 +1,60 @@
+"""Pure-PyTorch depth routing: the ground truth that the fused kernels must reproduce."""
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_heads(d_model: int, heads: int) -> None:
+    """Raise a one-line error unless `heads` splits `d_model` into equal chunks."""
+    if heads < 1 or d_model % heads:
+        divisors = [h for h in (1, 2, 4, 8, 16, 32) if d_model % h == 0]
+        raise ValueError(f"heads={heads} must divide d_model={d_model}; use one of {divisors}")
+
+
+def depth_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """Per-head routing logits, shaped [..., heads, len(sources)], in fp32 (fp64 for fp64 sources).
+
+    The RMS is taken over the full width in fp32 without an fp32 copy of the source, so autograd
+    keeps only a reference to each source.
+    """
+    if len(sources) == 0:
+        raise ValueError("depth routing needs at least one source")
+    d = query.shape[-1]
+    check_heads(d, heads)
+    for v in sources:
+        if v.shape[-1] != d:
+            raise ValueError(f"source width {v.shape[-1]} does not match query width {d}")
+    stat_dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources), torch.float32)
+    u = (query.to(stat_dtype) * norm_weight.to(stat_dtype)).view(heads, d // heads)
+    logits = []
+    for v in sources:
+        rms = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=stat_dtype) * d**-0.5
+        logits.append((v.unflatten(-1, (heads, d // heads)) * u).sum(-1) * torch.rsqrt(rms.square() + eps))
+    return torch.stack(logits, dim=-1)
+
+
+def depth_weights(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """The softmax over depth, per head: [..., heads, len(sources)]."""
+    return torch.softmax(depth_logits(sources, query, norm_weight, heads, eps), dim=-1)
+
+
+def depth_route(
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Mix `sources` ([..., d] each) with a per-head softmax over depth.
+
+    logit[n, h] = query[h] . RMSNorm_g(v_n)[h]  (RMS over the full width, no 1/sqrt(d) scale);
+    out[h] = sum_n softmax_n(logit[:, h]) * v_n[h].  The sources are never stacked, so saved
+    activation memory stays linear in depth.  The output has the promoted dtype of the sources.
+    """
+    weights = depth_weights(sources, query, norm_weight, heads, eps)
+    d = query.shape[-1]
+    out = sum(weights[..., n, None] * v.unflatten(-1, (heads, d // heads)) for n, v in enumerate(sources))
+    return out.flatten(-2).to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))

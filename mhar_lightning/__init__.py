@@ -1,0 +1,1 @@
+"""mhar-lightning: decoder-only transformers whose residual connection is a plugin."""

@@ -1,0 +1,147 @@
+"""A Llama-style decoder whose residual connection is delegated to a `Residual` plugin."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.residual import Residual, Stream, make_residual
+
+Rope = tuple[Tensor, Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with fp32 statistics (the Llama formulation)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+def rope_cache(config: ModelConfig, seq_len: int, device: torch.device) -> Rope:
+    """cos and sin tables [seq_len, head_dim] for rotary embeddings (half-split layout, as in Llama)."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate `x` [B, heads, T, head_dim] by position."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads and RoPE."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.q = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.k = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.v = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.o = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, rope: Rope) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.up = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.down = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One transformer block: an attention and an MLP sublayer, each with its own pre-norm.
+
+    `residual` is this block's router; the block only asks it for sublayer inputs and hands it outputs.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, residual: Residual) -> None:
+        super().__init__()
+        self.index = index
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+        self.residual = residual.spawn(config, range(2 * index, 2 * index + 2))
+
+    def forward(self, stream: Stream, rope: Rope) -> Stream:
+        l = 2 * self.index
+        y = self.attn(self.attn_norm(self.residual.read(stream, l)), rope)
+        stream = self.residual.write(stream, l, y)
+        y = self.mlp(self.mlp_norm(self.residual.read(stream, l + 1)))
+        return self.residual.write(stream, l + 1, y)
+
+
+class Decoder(nn.Module):
+    """Token embedding, `n_layers` blocks, final RMSNorm and LM head; the residual strategy is a plugin."""
+
+    def __init__(self, config: ModelConfig, residual: Residual | str = "sum") -> None:
+        super().__init__()
+        self.config = config
+        template = make_residual(residual)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i, template) for i in range(config.n_layers))
+        self.final_residual = template.spawn(config, range(config.n_sublayers, config.n_sublayers + 1))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter (also after materialising a meta-device model shard by shard)."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (RMSNorm, Residual)):
+                module.reset_parameters()
+        out_std = std / (2 * self.config.n_layers) ** 0.5
+        for block in self.blocks:
+            nn.init.normal_(block.attn.o.weight, std=out_std)
+            nn.init.normal_(block.mlp.down.weight, std=out_std)
+
+    def hidden(self, tokens: Tensor) -> Tensor:
+        """Final-normed hidden states [B, T, d] for `tokens` [B, T]."""
+        b, t = tokens.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
+        rope = rope_cache(self.config, t, tokens.device)
+        stream = self.final_residual.start(self.embed(tokens))
+        for block in self.blocks:
+            stream = block(stream, rope)
+        return self.norm(self.final_residual.finish(stream))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits [B, T, vocab] for `tokens` [B, T]."""
+        return self.head(self.hidden(tokens))

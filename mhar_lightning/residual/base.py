@@ -1,0 +1,96 @@
+"""The residual-connection plugin contract and the registry that names strategies."""
+
+import copy
+from abc import ABC, abstractmethod
+
+from torch import Tensor, nn
+
+from mhar_lightning.config import ModelConfig
+
+Stream = tuple[Tensor, ...]
+"""Per-forward residual state: the tensors that cross each transformer block."""
+
+
+class Residual(nn.Module, ABC):
+    """A residual strategy: how sublayer inputs are formed from the embedding and earlier outputs.
+
+    An instance built from YAML or by name is a *template* holding only hyperparameters. The decoder
+    calls `spawn` once per transformer block (sites `2i, 2i+1`) and once for the final read (site
+    `L = 2 * n_layers`), so routing parameters live, shard and checkpoint with their block. Per forward:
+
+        stream = final.start(embedding)
+        for each sublayer l:  x = router.read(stream, l);  y = f_l(norm(x));  stream = router.write(stream, l, y)
+        h = final.finish(stream)
+
+    The stream is a tuple of tensors, so it can cross activation-checkpointed and FSDP-wrapped blocks.
+    Subclasses implement `build` (create parameters), `read`, `write` and, where needed, `start`,
+    `finish` and `reset_parameters`.
+    """
+
+    sites: range
+    n_sublayers: int
+
+    def spawn(self, config: ModelConfig, sites: range) -> "Residual":
+        """A fresh router for routing sites `sites` (sublayer indices; `config.n_sublayers` is the final read)."""
+        router = copy.deepcopy(self)
+        router.sites = sites
+        router.n_sublayers = config.n_sublayers
+        router.build(config)
+        router.reset_parameters()
+        return router
+
+    def build(self, config: ModelConfig) -> None:
+        """Create this router's parameters for `self.sites` (none by default)."""
+
+    def reset_parameters(self) -> None:
+        """(Re)initialise parameters; called after `build` and after materialising from the meta device."""
+
+    def start(self, embedding: Tensor) -> Stream:
+        """The stream before sublayer 0 (called on the final router)."""
+        return (embedding,)
+
+    @abstractmethod
+    def read(self, stream: Stream, l: int) -> Tensor:
+        """The input of sublayer `l` (before its pre-norm)."""
+
+    @abstractmethod
+    def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
+        """The stream after sublayer `l` produced `y`."""
+
+    def finish(self, stream: Stream) -> Tensor:
+        """The final hidden state, before the final norm (called on the final router)."""
+        return self.read(stream, self.n_sublayers)
+
+    def site(self, l: int) -> int:
+        """Row of this router's per-site parameters that belongs to sublayer `l`."""
+        return l - self.sites.start
+
+    def extra_repr(self) -> str:
+        sites = getattr(self, "sites", None)
+        return "" if sites is None else f"sites={sites.start}..{sites.stop - 1}"
+
+
+RESIDUALS: dict[str, type[Residual]] = {}
+
+
+def register_residual(name: str):
+    """Class decorator: make a strategy available by `name` in configs (`residual: name`)."""
+
+    def add(cls: type[Residual]) -> type[Residual]:
+        if name in RESIDUALS and RESIDUALS[name] is not cls:
+            raise ValueError(f"residual strategy {name!r} is already registered by {RESIDUALS[name].__qualname__}")
+        RESIDUALS[name] = cls
+        return cls
+
+    return add
+
+
+def make_residual(spec: "str | Residual", **kwargs) -> Residual:
+    """A strategy template from a registered name (plus its arguments) or an instance."""
+    if isinstance(spec, Residual):
+        if kwargs:
+            raise ValueError("pass arguments either to the Residual instance or with a name, not both")
+        return spec
+    if spec not in RESIDUALS:
+        raise ValueError(f"unknown residual strategy {spec!r}; known: {', '.join(sorted(RESIDUALS))}")
+    return RESIDUALS[spec](**kwargs)

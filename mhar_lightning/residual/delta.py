@@ -1,0 +1,59 @@
+"""Delta-MHAR: a gated MHAR read added to an untouched residual stream (identity at init)."""
+
+import torch
+from torch import Tensor, nn
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.residual.base import Stream, register_residual
+from mhar_lightning.residual.routed import DepthRouter
+
+
+@register_residual("delta-mhar")
+class DeltaMHAR(DepthRouter):
+    """h_l = p_l + a_l * MHAR_l([null, embedding, finished block deltas]); p_{l+1} = p_l + y_l.
+
+    The gate `a_l` starts at zero, so a converted pretrained model computes exactly what it did before.
+    A block spans `block_size` transformer blocks; its delta is p at its end minus p at its start.
+    Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...).
+    """
+
+    def __init__(self, heads: int = 8, block_size: int = 4) -> None:
+        super().__init__(heads)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 transformer block, got {block_size}")
+        self.block_size = block_size
+
+    def build(self, config: ModelConfig) -> None:
+        if self.block_size > config.n_layers:
+            raise ValueError(f"block_size={self.block_size} exceeds the model's {config.n_layers} transformer blocks")
+        self.block_len = 2 * self.block_size
+        if self.sites.start == config.n_sublayers:
+            self.null = nn.Parameter(torch.empty(config.d_model))
+            return
+        self.build_sites(config, len(self.sites))
+        self.gate = nn.Parameter(torch.empty(len(self.sites)))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        for name in ("null", "gate"):
+            if hasattr(self, name):
+                nn.init.zeros_(getattr(self, name))
+
+    def start(self, embedding: Tensor) -> Stream:
+        return (embedding, embedding, self.null.to(embedding.dtype).expand_as(embedding), embedding)
+
+    def read(self, stream: Stream, l: int) -> Tensor:
+        return stream[0] + self.gate[self.site(l)] * self.route(stream[2:], l)
+
+    def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
+        p, block_start, *sources = stream
+        p = p + y
+        if (l + 1) % self.block_len == 0:
+            return (p, p, *sources, p - block_start)
+        return (p, block_start, *sources)
+
+    def finish(self, stream: Stream) -> Tensor:
+        return stream[0]
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, {super().extra_repr()}"
