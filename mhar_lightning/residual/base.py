@@ -1,7 +1,11 @@
 """The residual-connection plugin contract and the registry that names strategies."""
 
 import copy
+import importlib
+import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -65,6 +69,15 @@ class Residual(nn.Module, ABC):
         """Row of this router's per-site parameters that belongs to sublayer `l`."""
         return l - self.sites.start
 
+    def spec(self) -> dict[str, Any]:
+        """`{"class_path", "init_args"}` that rebuilds this template (as in a jsonargparse config).
+
+        Constructor arguments are read back from attributes of the same name, a convention subclasses keep.
+        """
+        params = inspect.signature(type(self).__init__).parameters.values()
+        args = {p.name: getattr(self, p.name) for p in params if p.name != "self" and p.kind == p.POSITIONAL_OR_KEYWORD}
+        return {"class_path": f"{type(self).__module__}.{type(self).__qualname__}", "init_args": args}
+
     def extra_repr(self) -> str:
         sites = getattr(self, "sites", None)
         return "" if sites is None else f"sites={sites.start}..{sites.stop - 1}"
@@ -85,12 +98,18 @@ def register_residual(name: str):
     return add
 
 
-def make_residual(spec: "str | Residual", **kwargs) -> Residual:
-    """A strategy template from a registered name (plus its arguments) or an instance."""
+def make_residual(spec: "str | Residual | Mapping[str, Any]", **kwargs) -> Residual:
+    """A strategy template from a registered name (plus its arguments), a `spec()` mapping or an instance."""
     if isinstance(spec, Residual):
         if kwargs:
             raise ValueError("pass arguments either to the Residual instance or with a name, not both")
         return spec
+    if isinstance(spec, Mapping):
+        module, _, name = spec["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        if not (isinstance(cls, type) and issubclass(cls, Residual)):
+            raise TypeError(f"{spec['class_path']} is not a subclass of mhar_lightning.residual.Residual")
+        return cls(**{**spec.get("init_args", {}), **kwargs})
     if spec not in RESIDUALS:
         raise ValueError(f"unknown residual strategy {spec!r}; known: {', '.join(sorted(RESIDUALS))}")
     return RESIDUALS[spec](**kwargs)
