@@ -1,0 +1,128 @@
+"""``TokenDataModule``: prepared token shards (or the default stdlib corpus) as resumable Lightning dataloaders.
+
+Training batches come from a torchdata ``StatefulDataLoader`` over a ``StatefulDistributedSampler`` that this
+module builds itself with the trainer's world size and rank, so Lightning must not inject its own sampler:
+build the Trainer with ``use_distributed_sampler=False``. Lightning then stores the loader's ``state_dict()``
+in checkpoints and restores it on resume, which makes a mid-epoch resume exact on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from mhar_lightning.data.corpus import ensure_corpus
+from mhar_lightning.data.dataset import TokenWindowDataset
+from mhar_lightning.data.shards import ShardIndex, TokenStream
+from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Batches of ``(batch_size, seq_len + 1)`` int64 windows ``w``: inputs ``w[:, :-1]``, targets ``w[:, 1:]``."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        tokenizer: str = "byte",
+        seq_len: int = 256,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        seed: int = 0,
+        samples_per_epoch: int | None = None,
+        val_samples: int | None = 256,
+        verify_checksums: bool = True,
+    ) -> None:
+        """Args:
+        path: a folder made by ``mhar prepare``; None uses the standard-library corpus, prepared on first use.
+        tokenizer: ``byte``, ``gpt2``, ``r50k_base``, ``cl100k_base`` or a ``.tiktoken`` path; must match ``path``.
+        seq_len: tokens the model sees per sample (each window holds ``seq_len + 1``).
+        batch_size: samples per batch on each rank.
+        num_workers: dataloader worker processes.
+        seed: fixes the windows and, with the epoch, the order of training samples.
+        samples_per_epoch: training windows per epoch over all ranks (None: one pass over the tokens).
+        val_samples: validation windows (None: one pass over the validation tokens).
+        verify_checksums: check every shard's sha256 in ``setup`` (sizes are always checked).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.path, self.tokenizer_name, self.seq_len, self.batch_size = path, tokenizer, seq_len, batch_size
+        self.num_workers, self.seed, self.samples_per_epoch = num_workers, seed, samples_per_epoch
+        self.val_samples, self.verify_checksums = val_samples, verify_checksums
+        self._tokenizer: Tokenizer | None = None
+        self.train_dataset: TokenWindowDataset | None = None
+        self.val_dataset: TokenWindowDataset | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer object, loaded on first access (usable before ``setup``)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_name)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size the model's embedding must cover."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def data_dir(self) -> Path:
+        """The prepared folder in use (the cached stdlib corpus when ``path`` is None)."""
+        return Path(self.path) if self.path is not None else ensure_corpus(self.tokenizer)
+
+    def prepare_data(self) -> None:
+        """Prepare the default corpus once per node and check the folder's tokenizer early."""
+        ShardIndex.load(self.data_dir).check_tokenizer(self.tokenizer, self.data_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open and verify the shards; build the training and validation datasets."""
+        if self.train_dataset is not None:
+            return
+        directory = self.data_dir
+        train = TokenStream(directory, "train", self.tokenizer, verify=self.verify_checksums)
+        self.train_dataset = TokenWindowDataset(train, self.seq_len, self.samples_per_epoch, self.seed)
+        if train.index.splits.get("val"):
+            val = TokenStream(directory, "val", self.tokenizer, verify=self.verify_checksums)
+            self.val_dataset = TokenWindowDataset(val, self.seq_len, self.val_samples, seed=0)
+
+    def _world(self) -> tuple[int, int]:
+        """(world size, global rank) of the attached trainer, else a single process."""
+        trainer = self.trainer
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled (seed + epoch), rank-sharded, resumable training batches."""
+        if self.train_dataset is None:
+            raise RuntimeError("call setup() before train_dataloader()")
+        world_size, rank = self._world()
+        sampler = StatefulDistributedSampler(
+            self.train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=self.seed, drop_last=True
+        )
+        return StatefulDataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            drop_last=True,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """The same validation windows in the same order on every run, split across ranks."""
+        if self.val_dataset is None:
+            raise RuntimeError(
+                f"{self.data_dir} has no validation split: prepare with --val-fraction > 0 or set limit_val_batches=0"
+            )
+        world_size, rank = self._world()
+        sampler = DistributedSampler(self.val_dataset, num_replicas=world_size, rank=rank, shuffle=False)
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )

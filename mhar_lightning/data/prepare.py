@@ -1,0 +1,237 @@
+"""``mhar prepare``: tokenize text files into token shards with a deterministic held-out validation split.
+
+Sources are a file or a folder of ``.txt``/``.md``/``.py`` files (one document each), ``.jsonl`` files (one
+document per line, taken from a text field) and, when pyarrow is installed, ``.parquet`` files (one document per
+row of a text column). Files are read in sorted order; a document goes to validation when its content hash falls
+below ``val_fraction``, so the split is stable across runs, machines and file orderings, and identical documents
+always land on the same side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
+from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
+SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
+SPLITS = ("train", "val")
+_BATCH_CHARS = 1 << 22  # tokenize about 4 MiB of text at a time (tiktoken spreads a batch over threads)
+
+
+def discover(src: Path) -> list[Path]:
+    """Supported files under ``src`` (or ``src`` itself), sorted, skipping hidden files and folders."""
+    src = Path(src)
+    if src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise FileNotFoundError(
+            f"source {src} does not exist: pass a file or a folder of {', '.join(sorted(SUFFIXES))}"
+        )
+    return sorted(
+        path
+        for path in src.rglob("*")
+        if path.suffix in SUFFIXES
+        and path.is_file()
+        and not any(part.startswith(".") for part in path.relative_to(src).parts)
+    )
+
+
+def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The documents of one file: the whole file, each JSONL line's field, or each parquet row's column."""
+    if path.suffix in TEXT_SUFFIXES:
+        yield path.read_text(encoding="utf-8")
+    elif path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if text_field not in record:
+                        raise ValueError(f"{path}:{number} has no {text_field!r} field: pass --text-field NAME")
+                    yield record[text_field]
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ImportError(f"reading {path} needs pyarrow: `pip install pyarrow`") from exc
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise ValueError(f"{path} has no {text_field!r} column: pass --text-field NAME")
+        for batch in parquet.iter_batches(columns=[text_field]):
+            yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    else:
+        raise ValueError(f"unsupported file {path}: use one of {', '.join(sorted(SUFFIXES))}")
+
+
+def is_validation(text: str, val_fraction: float) -> bool:
+    """Whether a document is held out: its sha256, read as a fraction of 2**64, is below ``val_fraction``."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+
+
+def prepare_files(
+    files: Sequence[Path],
+    out: Path,
+    tokenizer: Tokenizer,
+    *,
+    val_fraction: float = 0.01,
+    text_field: str = "text",
+    shard_tokens: int = 1 << 27,
+    overwrite: bool = False,
+    progress: bool = True,
+    source: str = "",
+) -> ShardIndex:
+    """Tokenize ``files`` into a new prepared folder ``out``; returns its index.
+
+    The folder is built under a temporary sibling name and renamed into place at the end, so a reader never sees
+    a partial folder and concurrent preparations of the same ``out`` cannot mix: the loser gets FileExistsError.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists: choose another output folder or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        index = _tokenize_into(tmp, files, tokenizer, val_fraction, text_field, shard_tokens, progress, source)
+        _publish(tmp, out, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return index
+
+
+def _tokenize_into(
+    directory: Path,
+    files: Sequence[Path],
+    tokenizer: Tokenizer,
+    val_fraction: float,
+    text_field: str,
+    shard_tokens: int,
+    progress: bool,
+    source: str,
+) -> ShardIndex:
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
+    documents = dict.fromkeys(SPLITS, 0)
+    skipped = batch_chars = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal batch_chars
+        tokens: dict[str, list[int]] = {split: [] for split in SPLITS}
+        for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
+            split = "val" if is_validation(text, val_fraction) else "train"
+            tokens[split] += ids
+            tokens[split].append(tokenizer.eot_id)
+            documents[split] += 1
+        for split, ids in tokens.items():
+            writers[split].write(np.asarray(ids, dtype=np.int64))
+        batch.clear()
+        batch_chars = 0
+
+    with _progress_bar(progress) as bar:
+        task = bar.add_task(f"tokenizing ({tokenizer.name})", total=sum(path.stat().st_size for path in files))
+        for path in files:
+            try:
+                for text in read_documents(path, text_field):
+                    if not text or "\x00" in text:  # empty, or binary masquerading as text
+                        skipped += 1
+                        continue
+                    batch.append(text)
+                    batch_chars += len(text)
+                    if batch_chars >= _BATCH_CHARS:
+                        flush()
+            except UnicodeDecodeError:
+                if path.suffix not in TEXT_SUFFIXES:
+                    raise
+                skipped += 1  # a binary or non-UTF-8 text file
+            bar.advance(task, path.stat().st_size)
+        flush()
+    if documents["train"] == 0 or (val_fraction > 0 and documents["val"] == 0):
+        raise ValueError(
+            f"{source or 'the source'} gave {documents['train']} training and {documents['val']} validation "
+            "documents: add documents or change --val-fraction so that both splits are non-empty"
+        )
+    index = ShardIndex(
+        tokenizer=TokenizerInfo.of(tokenizer),
+        dtype=dtype.name,
+        splits={split: writer.close() for split, writer in writers.items()},
+        documents=documents,
+        meta={"source": source, "files": len(files), "skipped_documents": skipped, "val_fraction": val_fraction},
+    )
+    index.save(directory)
+    return index
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished folder into place (replacing ``out`` only when ``overwrite``)."""
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError as exc:
+        if out.exists():
+            raise FileExistsError(f"{out} was created by another process while preparing") from exc
+        raise
+
+
+def _progress_bar(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``mhar prepare SRC OUT [--tokenizer NAME] ...``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="mhar prepare", description=__doc__.splitlines()[0])
+    parser.add_argument("src", type=Path, help="a file, or a folder of .txt/.md/.py/.jsonl/.parquet files")
+    parser.add_argument("out", type=Path, help="the prepared folder to create")
+    parser.add_argument("--tokenizer", default="gpt2", help="byte, gpt2, r50k_base, cl100k_base or a .tiktoken path")
+    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (by hash)")
+    parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        index = prepare_files(
+            discover(args.src),
+            args.out,
+            tokenizer,
+            val_fraction=args.val_fraction,
+            text_field=args.text_field,
+            shard_tokens=args.shard_tokens,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            source=str(args.src),
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"mhar prepare: error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"{args.out}: {index.num_tokens('train')} train / {index.num_tokens('val')} val tokens "
+        f"({index.documents['train']} / {index.documents['val']} documents, tokenizer {tokenizer.name}, {index.dtype})"
+    )
+    return 0

@@ -1,0 +1,113 @@
+"""`mhar prepare`: sources, the deterministic validation split, the CLI, and the cached default corpus."""
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from data_helpers import offline_env, split_documents  # noqa: F401 - offline_env is an autouse fixture
+
+from mhar_lightning.data import corpus
+from mhar_lightning.data.prepare import discover, main, prepare_files
+from mhar_lightning.data.shards import ShardIndex, TokenStream
+from mhar_lightning.tokenizer import load_tokenizer
+
+BYTE = load_tokenizer("byte")
+DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(400)]
+
+
+def _write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def _docs(out: Path, split: str) -> list[str]:
+    """The decoded documents of one split of a byte-tokenized folder."""
+    return [BYTE.decode(d) for d in split_documents(TokenStream(out, split, BYTE), BYTE)]
+
+
+def test_validation_split_is_disjoint_complete_and_stable(tmp_path: Path) -> None:
+    first = prepare_files(
+        [_write_jsonl(tmp_path / "a.jsonl", DOCS)], tmp_path / "a", BYTE, val_fraction=0.1, progress=False
+    )
+    train, val = _docs(tmp_path / "a", "train"), _docs(tmp_path / "a", "val")
+    assert 10 < len(val) < 80 and not set(train) & set(val) and sorted(train + val) == sorted(DOCS)
+    # Same input again: byte-identical shards.
+    again = prepare_files([tmp_path / "a.jsonl"], tmp_path / "b", BYTE, val_fraction=0.1, progress=False)
+    assert again.splits == first.splits
+    # Shuffled input: the same documents are held out (the split depends on content, not position).
+    shuffled = random.Random(0).sample(DOCS, len(DOCS))
+    prepare_files(
+        [_write_jsonl(tmp_path / "c.jsonl", shuffled)], tmp_path / "c", BYTE, val_fraction=0.1, progress=False
+    )
+    assert sorted(_docs(tmp_path / "c", "val")) == sorted(val)
+
+
+def test_folder_of_mixed_files_and_parquet(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / ".hidden").mkdir()
+    (src / "a.txt").write_text("alpha")
+    (src / "sub" / "b.md").write_text("beta")
+    (src / "c.py").write_text("gamma = 1")
+    (src / "skip.bin").write_bytes(b"\x00\x01")
+    (src / ".hidden" / "d.txt").write_text("hidden")
+    (src / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    _write_jsonl(src / "e.jsonl", ["delta", "epsilon"])
+    pq.write_table(pa.table({"text": ["zeta", None, "eta"]}), src / "f.parquet")
+    files = discover(src)
+    assert [p.relative_to(src).as_posix() for p in files] == [
+        "a.txt",
+        "bad.txt",
+        "c.py",
+        "e.jsonl",
+        "f.parquet",
+        "sub/b.md",
+    ]
+    index = prepare_files(files, tmp_path / "out", BYTE, val_fraction=0.0, progress=False)
+    assert _docs(tmp_path / "out", "train") == ["alpha", "gamma = 1", "delta", "epsilon", "zeta", "eta", "beta"]
+    assert index.meta["skipped_documents"] == 1
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--tokenizer", "gpt2", "--val-fraction", "0.05", "--no-progress"]) == 0
+    assert "train" in capsys.readouterr().out
+    assert ShardIndex.load(out).tokenizer.name == "r50k_base"
+    assert main([str(src), str(out), "--no-progress"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main([str(src), str(out), "--tokenizer", "byte", "--overwrite", "--no-progress"]) == 0
+    assert ShardIndex.load(out).tokenizer.name == "byte"
+    assert main([str(tmp_path / "absent"), str(tmp_path / "o2")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "o3"), "--text-field", "body"]) == 1
+    assert "no 'body' field" in capsys.readouterr().err
+    assert main([str(src), str(tmp_path / "o4"), "--val-fraction", "0.0001", "--tokenizer", "byte"]) == 1
+    assert "both splits are non-empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"]  # no partial folders left behind
+
+
+def test_default_corpus_is_cached_and_safe_to_prepare_concurrently() -> None:
+    files = corpus.stdlib_files()
+    assert files == sorted(files) and any(p.name == "textwrap.py" for p in files)
+    assert not any("site-packages" in p.parts or "test" in p.parts for p in files)
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(corpus.ensure_corpus(BYTE, progress=False))) for _ in "ab"
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out = corpus.corpus_dir(BYTE)
+    assert results == [out, out]
+    assert [p.name for p in corpus.cache_root().iterdir()] == [out.name]  # no temporary folders left
+    index = ShardIndex.load(out)
+    assert index.documents["val"] > 0 and index.num_tokens("train") > 1_000_000
+    stamp = (out / "index.json").stat().st_mtime_ns
+    assert corpus.ensure_corpus(BYTE, progress=False) == out and (out / "index.json").stat().st_mtime_ns == stamp

