@@ -1,0 +1,71 @@
+"""`mhar convert-hf` and `mhar export-hf`: argparse front ends of `save_converted` and `export_hf`."""
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from mhar_lightning.convert.checkpoint import save_converted
+from mhar_lightning.convert.export import export_hf
+from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
+from mhar_lightning.residual import RESIDUALS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RESIDUAL_FLAGS = ("heads", "block_size", "blocks")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep the source dtype)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest output shard, e.g. 5GB, 500MB")
+
+
+def run(prog: str, action) -> int:
+    """Run `action`, turning expected failures into one `prog: error: ...` line and exit status 1."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        action()
+    except (ValueError, FileNotFoundError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mhar convert-hf SRC OUT --residual delta-mhar --heads 8 --block-size 4`."""
+    parser = argparse.ArgumentParser(
+        prog="mhar convert-hf",
+        description="Convert a local Hugging Face Llama checkpoint (config.json + safetensors) into an "
+        "mhar-lightning checkpoint, streaming shard by shard; no network.",
+    )
+    parser.add_argument("src", help="directory with config.json and model.safetensors or a sharded index")
+    parser.add_argument("out", help="new (or empty) output directory")
+    parser.add_argument("--residual", default="delta-mhar", choices=sorted(RESIDUALS), help="residual strategy")
+    parser.add_argument("--heads", type=int, help="routing heads (mhar, delta-mhar)")
+    parser.add_argument("--block-size", type=int, help="transformer blocks per routed block (delta-mhar)")
+    parser.add_argument("--blocks", type=int, help="number of routed blocks (mhar, attnres)")
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    residual_args = {flag: getattr(args, flag) for flag in RESIDUAL_FLAGS if getattr(args, flag) is not None}
+    dtype = DTYPES.get(args.dtype)
+    return run(
+        parser.prog,
+        lambda: save_converted(
+            args.src, args.out, args.residual, dtype=dtype, max_shard_size=args.max_shard_size, **residual_args
+        ),
+    )
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """`mhar export-hf SRC OUT`: a converted `sum` checkpoint to a Hugging Face Llama directory."""
+    parser = argparse.ArgumentParser(
+        prog="mhar export-hf",
+        description="Export a converted `sum` checkpoint (mhar_config.json + safetensors) to a directory "
+        "that transformers' LlamaForCausalLM.from_pretrained loads.",
+    )
+    parser.add_argument("src", help="converted checkpoint directory (mhar_config.json)")
+    parser.add_argument("out", help="new (or empty) output directory")
+    add_output_options(parser)
+    args = parser.parse_args(argv)
+    dtype = DTYPES.get(args.dtype)
+    return run(parser.prog, lambda: export_hf(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size))

@@ -1,0 +1,138 @@
+"""The Hugging Face Llama side: config and tensor-name mapping, and a validated lazy view of a local checkpoint."""
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.convert.safetensors_io import ConversionError, SafetensorsDir, TensorEntry, check_tensors
+from mhar_lightning.model import Decoder
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""Config keys that carry over unchanged from a source checkpoint to an export (generation needs them)."""
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+"""Buffers some older checkpoints save; RoPE tables are recomputed here."""
+
+
+def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face `config.json`; refuses anything this decoder would compute differently."""
+    architectures = hf_config.get("architectures")
+    if architectures != list(SUPPORTED_ARCHITECTURES):
+        named = ", ".join(architectures) if architectures else 'none (config.json lacks "architectures")'
+        raise ConversionError(f"unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    missing = [key for key in REQUIRED_KEYS if hf_config.get(key) is None]
+    if missing:
+        raise ConversionError(f"config.json lacks {', '.join(missing)}")
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConversionError(
+            f"rope scaling type {rope_type!r} is not supported (Llama 3.1-style scaling is not implemented); "
+            "only unscaled RoPE checkpoints (e.g. Llama 2, Llama 3.0) convert"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            raise ConversionError(f"{key}=true is not supported: this decoder's projections have no biases")
+    hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ConversionError(
+            f"head_dim={head_dim} differs from hidden_size/num_attention_heads={hidden / heads:g}; not supported"
+        )
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act={hf_config['hidden_act']!r} is not supported; the MLP is SwiGLU (silu)")
+    return ModelConfig(
+        vocab_size=hf_config["vocab_size"],
+        d_model=hidden,
+        n_layers=hf_config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+        ffn_hidden=hf_config["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))),
+        max_seq_len=hf_config.get("max_position_embeddings", 2048),
+        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        init_std=hf_config.get("initializer_range", 0.02),
+    )
+
+
+def model_config_to_hf_config(config: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) -> dict:
+    """A `LlamaForCausalLM` `config.json` for `config` (plus token ids from `tokens`, e.g. the source config)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": list(SUPPORTED_ARCHITECTURES),
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "initializer_range": config.init_std,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": dtype_name,
+        **{key: (tokens or {})[key] for key in TOKEN_KEYS if key in (tokens or {})},
+    }
+
+
+def hf_names(config: ModelConfig) -> dict[str, str]:
+    """Our parameter name -> the Hugging Face Llama tensor name, in our parameter order (no tied head)."""
+    names = {"embed.weight": "model.embed_tokens.weight"}
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
+        names |= {f"{ours}attn.{p}.weight": f"{theirs}self_attn.{p}_proj.weight" for p in "qkvo"}
+        names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
+        names |= {f"{ours}mlp.{p}.weight": f"{theirs}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    names["norm.weight"] = "model.norm.weight"
+    if not config.tie_embeddings:
+        names["head.weight"] = "lm_head.weight"
+    return names
+
+
+class HFLlamaCheckpoint:
+    """A local Hugging Face Llama directory (`config.json` + safetensors), read lazily and validated."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{self.path} has no config.json; point at a Hugging Face model directory")
+        self.hf_config: dict = json.loads(config_file.read_text())
+        self.config = hf_config_to_model_config(self.hf_config)
+        self.tensors = SafetensorsDir(self.path)
+        self.dtype = self.tensors.shape_and_dtype(self.tensors.names()[0])[1]
+
+    def entries(self, model: Decoder, dtype: torch.dtype | None = None) -> list[TensorEntry]:
+        """Our non-routing parameters of `model` (built from `self.config`), read from this checkpoint.
+
+        Raises one error listing every missing, unexpected or mis-shaped tensor before anything is read.
+        """
+        names = hf_names(self.config)
+        params = dict(model.named_parameters())
+        expected = {hf: tuple(params[ours].shape) for ours, hf in names.items()}
+        ignored = ("lm_head.weight",) if self.config.tie_embeddings else ()
+        found = {
+            name: self.tensors.shape_and_dtype(name)[0]
+            for name in self.tensors.names()
+            if name not in ignored and not name.endswith(IGNORED_SUFFIXES)
+        }
+        check_tensors(f"checkpoint {self.path}", expected, found)
+        return [
+            TensorEntry(
+                ours, expected[hf], dtype or self.tensors.shape_and_dtype(hf)[1], partial(self.tensors.tensor, hf)
+            )
+            for ours, hf in names.items()
+        ]

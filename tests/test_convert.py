@@ -1,0 +1,197 @@
+"""Hugging Face Llama import/export: exact logits against transformers, the converted format, clear errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+from mhar_lightning.convert import (
+    ConversionError,
+    converted_state_dict,
+    export_hf,
+    export_main,
+    hf_config_to_model_config,
+    load_converted,
+    load_decoder,
+    load_hf_llama,
+    main,
+    save_converted,
+)
+from mhar_lightning.model import Decoder
+
+SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 320,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}
+DELTA = {"heads": 4, "block_size": 1}
+TOKENS = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def random_llama(tie: bool = False) -> "transformers.LlamaForCausalLM":
+    """A small LlamaForCausalLM with every weight random (norm gains too), so logits are O(1)."""
+    config = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=tie, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def our_logits(model: Decoder) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A sharded (>= 2 safetensors files + index) untied GQA Llama and its logits."""
+    path = tmp_path_factory.mktemp("hf")
+    model = random_llama()
+    model.save_pretrained(path, max_shard_size="100KB")
+    assert len(list(path.glob("model-*.safetensors"))) >= 2 and (path / "model.safetensors.index.json").is_file()
+    return path, hf_logits(model)
+
+
+@pytest.mark.parametrize("residual, args", [("sum", {}), ("delta-mhar", DELTA)])
+def test_import_matches_transformers(hf_dir, residual, args):
+    path, reference = hf_dir
+    model = load_hf_llama(path, residual, **args)
+    assert not any(p.is_meta for p in model.parameters())
+    assert reference.abs().max() > 1
+    torch.testing.assert_close(our_logits(model), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_mhar_routing_starts_neutral_then_trains(hf_dir):
+    path, reference = hf_dir
+    model = load_hf_llama(path, "delta-mhar", **DELTA)
+    routing = {n: p for n, p in model.named_parameters() if "residual" in n}
+    assert routing and all(torch.all(p == (1 if "key_norm" in n else 0)) for n, p in routing.items())
+    optimizer = torch.optim.AdamW(routing.values(), lr=1e-2)  # the pretrained weights stay fixed
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model.train()(TOKENS[:, :-1]).flatten(0, 1), TOKENS[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(block.residual.gate.abs().sum() > 0 for block in model.blocks)
+    assert (our_logits(model) - reference).abs().max() > 1e-3
+
+
+def test_converted_checkpoint_round_trip(hf_dir, tmp_path):
+    path, reference = hf_dir
+    out = save_converted(path, tmp_path / "conv", "delta-mhar", max_shard_size="60KB", **DELTA)
+    meta = json.loads((out / "mhar_config.json").read_text())
+    assert meta["residual"] == {"name": "delta-mhar", "args": DELTA} and len(list(out.glob("model-*"))) >= 2
+    config, template, state = load_converted(out)
+    assert config == hf_config_to_model_config(json.loads((path / "config.json").read_text()))
+    fresh = Decoder(config, template)
+    fresh.load_state_dict(state)  # strict: the lazily loaded dict names every parameter
+    for model in (fresh, load_decoder(out)):
+        torch.testing.assert_close(our_logits(model), reference, rtol=1e-5, atol=1e-5)
+    assert all(p.dtype == torch.bfloat16 for p in load_decoder(out, dtype=torch.bfloat16).parameters())
+
+
+def test_cli_convert_then_export_round_trips_through_transformers(hf_dir, tmp_path):
+    path, reference = hf_dir
+    assert main([str(path), str(tmp_path / "sum"), "--residual", "sum", "--max-shard-size", "100KB"]) == 0
+    assert export_main([str(tmp_path / "sum"), str(tmp_path / "hf")]) == 0
+    export_hf(load_decoder(tmp_path / "sum"), tmp_path / "hf_from_model")
+    for exported in ("hf", "hf_from_model"):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / exported, attn_implementation="eager")
+        torch.testing.assert_close(hf_logits(model.eval()), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_single_file_checkpoint(tmp_path):
+    model = random_llama(tie=True)
+    model.save_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    ours = load_hf_llama(tmp_path / "hf", "sum")
+    assert ours.head.weight is ours.embed.weight
+    torch.testing.assert_close(our_logits(ours), hf_logits(model), rtol=1e-5, atol=1e-5)
+    save_converted(tmp_path / "hf", tmp_path / "conv", "sum")
+    with safe_open(tmp_path / "conv" / "model.safetensors", "pt") as stored:
+        assert "head.weight" not in stored.keys()  # noqa: SIM118 (a handle, not a dict)
+    state = converted_state_dict(tmp_path / "conv")
+    assert state["head.weight"] is state["embed.weight"]
+    reloaded = load_decoder(tmp_path / "conv")
+    assert reloaded.head.weight is reloaded.embed.weight
+    export_hf(tmp_path / "conv", tmp_path / "back")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    torch.testing.assert_close(hf_logits(back.eval()), hf_logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_routed_export_and_bad_arguments(hf_dir, tmp_path, capsys):
+    path, _ = hf_dir
+    with pytest.raises(ConversionError, match="only `sum` models export: DeltaMHAR routing"):
+        export_hf(load_hf_llama(path, "delta-mhar", **DELTA), tmp_path / "x")
+    assert main([str(path), str(tmp_path / "y"), "--residual", "sum", "--heads", "8"]) == 1
+    assert "residual 'sum' takes no arguments, not heads" in capsys.readouterr().err
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "old.txt").write_text("x")
+    with pytest.raises(ConversionError, match="already exists and is not an empty directory"):
+        save_converted(path, tmp_path / "busy", "sum")
+
+
+def test_missing_and_unexpected_tensors_are_listed(tmp_path):
+    model = random_llama()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    del state["model.layers.1.mlp.up_proj.weight"], state["lm_head.weight"]
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ConversionError) as error:
+        load_hf_llama(tmp_path, "sum")
+    assert str(error.value).endswith(
+        "missing 2 tensor(s): model.layers.1.mlp.up_proj.weight, lm_head.weight; "
+        "unexpected 1 tensor(s): model.layers.0.self_attn.q_proj.bias"
+    )
+
+
+BASE = {"architectures": ["LlamaForCausalLM"], **SHAPE}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "architecture MistralForCausalLM; supported: LlamaForCausalLM"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' is not supported .Llama 3.1-style"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling type 'yarn' is not supported"),
+        ({"attention_bias": True}, "attention_bias=true is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+        ({"head_dim": 32}, "head_dim=32 differs from hidden_size/num_attention_heads=16"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"architectures": None}, 'unsupported architecture none .config.json lacks "architectures"'),
+        ({"vocab_size": None}, "config.json lacks vocab_size"),
+    ],
+)
+def test_unsupported_configs_are_refused(change, message):
+    with pytest.raises(ConversionError, match=message):
+        hf_config_to_model_config(BASE | change)
+
+
+def test_config_mapping_reads_old_and_new_rope_fields():
+    old = hf_config_to_model_config(BASE | {"rope_scaling": None, "rope_theta": 1e6})
+    new = hf_config_to_model_config(BASE | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert old == new
+    assert (old.d_model, old.n_layers, old.n_heads, old.n_kv_heads, old.ffn_hidden) == (64, 3, 4, 2, 128)
+    assert (old.rope_theta, old.max_seq_len, old.norm_eps, old.tie_embeddings) == (1e6, 64, 1e-5, False)
