@@ -1,0 +1,61 @@
+"""`DepthAttentionLogger`: where each routing site reads from, as TensorBoard heatmaps, scalars and raw `.npz`."""
+
+import lightning as L
+
+from mhar_lightning.callbacks.base import ProbeCallback, add_image, log_scalars, tensorboard
+from mhar_lightning.callbacks.plots import depth_map_figure, to_image
+from mhar_lightning.probe import DepthMaps, tag_name
+
+
+class DepthAttentionLogger(ProbeCallback):
+    """Log the depth-attention maps of routed residuals (AttnRes, MHAR, delta-MHAR) on a fixed probe batch.
+
+    Every `every_n_steps` optimizer steps and at the end of training it logs, to TensorBoard:
+
+    - images `depth_attention/head_<h>` (one per head) and `depth_attention/mean`: site x source heatmaps;
+    - scalars per site `depth_entropy/<site>` (nats, mean over heads), `depth_emb_weight/<site>` and
+      `depth_recent_weight/<site>` (head-averaged weight on the embedding / on the site's latest source);
+    - for delta-MHAR, `delta_gate/<site>` scalars and a `delta_gate/all` histogram of the per-sublayer gates;
+
+    and saves the raw maps as `<log_dir>/depth_attention/step_<step>.npz` (`DepthMaps.load` reads it back).
+    Scalars go to every logger; images and histograms need a TensorBoard logger.
+
+    Args:
+        every_n_steps: optimizer steps between probes.
+        max_rows: rows of the first validation batch used as the probe (None: the whole batch).
+        save_npz: also write the raw weights with their site and source labels.
+    """
+
+    def __init__(self, every_n_steps: int = 500, max_rows: int | None = 8, save_npz: bool = True) -> None:
+        super().__init__(every_n_steps, max_rows)
+        self.save_npz = save_npz
+
+    def write(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:
+        sites = [tag_name(label) for label in maps.site_labels]
+        metrics = {}
+        for name, values in (
+            ("depth_entropy", maps.entropy()),
+            ("depth_emb_weight", maps.embedding_weight()),
+            ("depth_recent_weight", maps.recent_weight()),
+        ):
+            metrics.update({f"{name}/{site}": float(v) for site, v in zip(sites, values)})
+        if maps.gates is not None:
+            metrics.update(
+                {f"delta_gate/{tag_name(label)}": float(g) for label, g in zip(maps.site_labels, maps.gates)}
+            )
+        log_scalars(trainer, metrics, step)
+        writer = tensorboard(trainer)
+        if writer is not None:
+            width = len(str(maps.heads - 1))
+            for h in range(maps.heads):
+                add_image(
+                    writer,
+                    f"depth_attention/head_{h:0{width}d}",
+                    to_image(depth_map_figure(maps, h, f" · step {step}")),
+                    step,
+                )
+            add_image(writer, "depth_attention/mean", to_image(depth_map_figure(maps, None, f" · step {step}")), step)
+            if maps.gates is not None:
+                writer.add_histogram("delta_gate/all", maps.gates, step)
+        if self.save_npz:
+            maps.save(self.log_dir / "depth_attention" / f"step_{step:07d}.npz")

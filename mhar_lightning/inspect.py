@@ -1,0 +1,137 @@
+"""`mhar inspect CKPT`: depth-attention maps of a trained checkpoint, as a PNG and a table in the terminal."""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from torch import Tensor
+
+from mhar_lightning.callbacks.plots import depth_grid_figure
+from mhar_lightning.data.datamodule import TokenDataModule
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.probe import DepthMaps, routers_of, run_probe
+from mhar_lightning.tokenizer import load_tokenizer
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="mhar inspect",
+        description="Run a probe batch through a checkpoint and show where each routing site reads from.",
+    )
+    parser.add_argument("checkpoint", type=Path, help="a Lightning checkpoint written by `mhar fit`")
+    parser.add_argument(
+        "--out", type=Path, default=Path("depth_attention.png"), help="PNG of the maps (default: %(default)s)"
+    )
+    parser.add_argument("--text", type=Path, help="probe on this UTF-8 text file instead of the run's validation data")
+    parser.add_argument("--rows", type=int, default=8, help="probe sequences (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    parser.add_argument("--tokenizer", help="tokenizer for --text or the default corpus (default: the run's)")
+    parser.add_argument("--npz", type=Path, help="also save the raw weights with their labels here")
+    return parser.parse_args(argv)
+
+
+def run_settings(checkpoint: Path) -> dict[str, Any]:
+    """The data module's hyperparameters saved in the checkpoint (tokenizer, seq_len, path), if any."""
+    raw = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    return dict(raw.get("datamodule_hyper_parameters") or {})
+
+
+def text_tokens(path: Path, tokenizer_name: str, seq_len: int, rows: int) -> Tensor:
+    """Up to `rows` consecutive windows of `seq_len` tokens of a text file (one shorter row for a short text)."""
+    ids = load_tokenizer(tokenizer_name).encode(path.read_text(encoding="utf-8"))
+    if not ids:
+        raise ValueError(f"{path} holds no text")
+    n = max(1, min(rows, len(ids) // seq_len))
+    length = min(seq_len, len(ids))
+    return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
+
+
+def corpus_tokens(settings: dict[str, Any], tokenizer_name: str, seq_len: int, rows: int) -> Tensor:
+    """The first `rows` validation windows of the run's data (the default corpus when the run used it)."""
+    data = TokenDataModule(
+        path=settings.get("path"), tokenizer=tokenizer_name, seq_len=seq_len, batch_size=rows, val_samples=rows
+    )
+    data.prepare_data()
+    data.setup("validate")
+    return next(iter(data.val_dataloader()))[:, :-1]
+
+
+def summary_table(maps: DepthMaps, title: str) -> Table:
+    """One row per routing site: concentration, embedding/recent weight, top source, head disagreement, gate."""
+    caption = (
+        "entropy: nats, mean over heads · emb / recent: head-mean weight on the embedding / the latest source · "
+        "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"
+    )
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("site", "entropy", "emb", "recent", "top source", "JS", "JS q"):
+        table.add_column(
+            column, justify="left" if column in ("site", "top source") else "right", no_wrap=column != "top source"
+        )
+    if maps.gates is not None:
+        table.add_column("gate", justify="right", no_wrap=True)
+    mean = maps.mean_weights
+    columns = zip(maps.entropy(), maps.embedding_weight(), maps.recent_weight(), maps.head_js(), maps.query_head_js())
+    for s, (ent, emb, recent, js, qjs) in enumerate(columns):
+        top = int(np.nanargmax(mean[s]))
+        cells = [
+            maps.site_labels[s],
+            f"{ent:.3f}",
+            f"{emb:.3f}",
+            f"{recent:.3f}",
+            f"{maps.source_labels[top]} ({mean[s, top]:.2f})",
+        ]
+        cells += [f"{js:.3f}", f"{qjs:.3f}"]
+        if maps.gates is not None:
+            cells.append(f"{maps.gates[maps.sites[s]]:+.2g}")
+        table.add_row(*cells)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mhar inspect`; returns the process exit code."""
+    args = parse_args(argv)
+    console = Console()
+    err = Console(stderr=True)
+    model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
+    if not routers_of(model):
+        residual = model.hparams["residual"]["class_path"]
+        err.print(f"{args.checkpoint}: residual {residual} has no depth routing to inspect.", style="red", markup=False)
+        return 2
+    settings = run_settings(args.checkpoint)
+    tokenizer = args.tokenizer or settings.get("tokenizer", "byte")
+    seq_len = args.seq_len or settings.get("seq_len") or model.model_config.max_seq_len
+    source = str(args.text) if args.text else "validation data of " + (settings.get("path") or "the default corpus")
+    try:
+        tokens = (
+            text_tokens(args.text, tokenizer, seq_len, args.rows)
+            if args.text
+            else corpus_tokens(settings, tokenizer, seq_len, args.rows)
+        )
+        if int(tokens.max()) >= model.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer {tokenizer!r} yields ids beyond the model's {model.model_config.vocab_size}-token vocabulary"
+            )
+    except (OSError, ValueError) as error:
+        err.print(f"mhar inspect: {error}", style="red", markup=False)
+        return 2
+    maps = run_probe(model, tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    depth_grid_figure(maps, f" · {args.checkpoint.name}").savefig(args.out)
+    if args.npz:
+        maps.save(args.npz)
+    title = (
+        f"{args.checkpoint.name}: {maps.heads} head(s), probe {tokens.shape[0]} x {tokens.shape[1]} tokens of {source}"
+    )
+    console.print(summary_table(maps, title))
+    console.print(f"maps written to {args.out}" + (f", raw weights to {args.npz}" if args.npz else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
