@@ -1,15 +1,51 @@
-"""Depth-routing kernels: one dispatch point in front of the reference and fused implementations."""
+"""Depth-routing kernels: one dispatch point in front of the reference and fused implementations.
 
+`backend="auto"` picks the fused Triton op for CUDA tensors and the pure-PyTorch reference
+otherwise; the environment variable `MHAR_ROUTE_BACKEND` (`triton` or `reference`) overrides
+`auto`, and an explicit `backend=` argument overrides both. The Triton path runs on CPU tensors
+only under `TRITON_INTERPRET=1` (the test setup).
+"""
+
+import importlib.util
+import os
 from collections.abc import Sequence
 
 from torch import Tensor
 
 from mhar_lightning.kernels import reference
 
+BACKENDS = ("auto", "triton", "reference")
+ENV_BACKEND = "MHAR_ROUTE_BACKEND"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
-    """Route over depth (see `reference.depth_route` for the math); picks the fastest available path."""
-    return reference.depth_route(sources, query, norm_weight, heads, eps)
+
+def resolve_backend(backend: str, sources: Sequence[Tensor]) -> str:
+    """The backend a call runs on: `triton` or `reference`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
+    if backend == "auto":
+        backend = os.environ.get(ENV_BACKEND, "auto") or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={backend!r}; use one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if HAS_TRITON and len(sources) and sources[0].is_cuda else "reference"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("backend='triton' needs the triton package")
+        if len(sources) and not sources[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+    return backend
 
 
-__all__ = ["depth_route", "reference"]
+def depth_route(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6, backend: str = "auto"
+) -> Tensor:
+    """Route over depth (see `reference.depth_route` for the math) on the chosen backend."""
+    if resolve_backend(backend, sources) == "reference":
+        return reference.depth_route(sources, query, norm_weight, heads, eps)
+    from mhar_lightning.kernels import op
+
+    return op.depth_route(sources, query, norm_weight, heads, eps)
+
+
+__all__ = ["BACKENDS", "ENV_BACKEND", "depth_route", "reference", "resolve_backend"]

@@ -1,0 +1,101 @@
+"""Benchmark the depth-routing op alone (forward, forward+backward) against the card's copy bandwidth.
+
+The floor of a memory-bound op is (bytes it must move) / (measured device-to-device copy bandwidth):
+forward reads every source once and writes the mix; backward reads the upstream gradient, the saved mix
+and every source once and writes one gradient per source. The fraction printed is floor / measured.
+
+    python benchmarks/routing.py [--tokens 16384] [--out results.json]
+"""
+
+import argparse
+import json
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from mhar_lightning.kernels import depth_route, reference, triton_route
+
+
+def copy_bandwidth(nbytes: int = 2**31) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = torch.randn(nbytes // 4, device="cuda")
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def make(tokens: int, d: int, S: int, mixed: bool):
+    """Random sources: all bf16, or (mixed) an fp32 embedding first, as under bf16 autocast."""
+    dtypes = [torch.float32 if mixed and n == 0 else torch.bfloat16 for n in range(S)]
+    sources = [torch.randn(tokens, d, device="cuda").to(dt).requires_grad_() for dt in dtypes]
+    query = (0.1 * torch.randn(d, device="cuda")).requires_grad_()
+    gain = (1 + 0.1 * torch.randn(d, device="cuda")).requires_grad_()
+    return sources, query, gain
+
+
+def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compiled_ref) -> dict:
+    sources, query, gain = make(tokens, d, S, mixed)
+    out_dt = triton_route.out_dtype(sources)
+    src_bytes = sum(v.numel() * v.element_size() for v in sources)
+    out_bytes = tokens * d * torch.finfo(out_dt).bits // 8
+    fwd_bytes = src_bytes + out_bytes
+    bwd_bytes = 2 * out_bytes + 2 * src_bytes
+    go = torch.randn(tokens, d, device="cuda", dtype=out_dt)
+    u = (query * gain).detach()
+    leaves = [*sources, query, gain]
+
+    def fwd_bwd(fn):
+        return lambda: torch.autograd.grad(fn(sources, query, gain, heads), leaves, go)
+
+    row = {"tokens": tokens, "d": d, "S": S, "heads": heads, "mixed": mixed}
+    row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
+    row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
+    row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
+    if compiled_ref is not None:
+        row["ref_compiled_fwdbwd_ms"] = do_bench(fwd_bwd(compiled_ref), return_mode="median")
+    row["fwd_bytes"], row["fwdbwd_bytes"] = fwd_bytes, fwd_bytes + bwd_bytes
+    row["fwd_floor_ms"] = fwd_bytes / bw * 1e3
+    row["fwdbwd_floor_ms"] = (fwd_bytes + bwd_bytes) / bw * 1e3
+    row["fwd_frac"] = row["fwd_floor_ms"] / row["fwd_ms"]
+    row["fwdbwd_frac"] = row["fwdbwd_floor_ms"] / row["fwdbwd_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8 * 2048)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--compile-ref-s", type=int, default=9, help="time the compiled reference too at this S (mixed)")
+    parser.add_argument("--sources", default="2,5,9,25,49", help="numbers of sources S to time")
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s")
+    compiled_ref = torch.compile(reference.depth_route, dynamic=False)
+    rows = []
+    for d in (1024, 2048):
+        for S in map(int, args.sources.split(",")):
+            for mixed in (False, True):
+                ref = compiled_ref if S == args.compile_ref_s and mixed else None
+                rows.append(bench(args.tokens, d, S, 8, mixed, bw, ref))
+                torch.cuda.empty_cache()
+    print(
+        f"{'d':>5} {'S':>3} {'src':>5} | {'fwd ms':>7} {'floor':>7} {'frac':>5} | "
+        f"{'f+b ms':>7} {'floor':>7} {'frac':>5} | {'ref eager':>9} {'ref comp':>8}"
+    )
+    for r in rows:
+        comp = f"{r['ref_compiled_fwdbwd_ms']:8.3f}" if "ref_compiled_fwdbwd_ms" in r else f"{'-':>8}"
+        print(
+            f"{r['d']:5d} {r['S']:3d} {'mixed' if r['mixed'] else 'bf16':>5} | "
+            f"{r['fwd_ms']:7.3f} {r['fwd_floor_ms']:7.3f} "
+            f"{r['fwd_frac']:5.2f} | {r['fwdbwd_ms']:7.3f} {r['fwdbwd_floor_ms']:7.3f} {r['fwdbwd_frac']:5.2f} | "
+            f"{r['ref_eager_fwdbwd_ms']:9.3f} {comp}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy_bw": bw, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

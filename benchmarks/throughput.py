@@ -1,0 +1,122 @@
+"""Training-step throughput and peak memory of each residual strategy, as a ratio to `sum` in the same run.
+
+Every step is forward, backward and a fused AdamW step on one fixed batch, under bf16 autocast, with
+each transformer block compiled on its own (`block.compile()`). Tokens/s is the median over the timed
+steps; peak memory is `torch.cuda.max_memory_allocated` over them.
+
+    python benchmarks/throughput.py [--presets 100m,350m,1b] [--steps 10] [--out results.json]
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.model import Decoder
+from mhar_lightning.residual import make_residual
+
+SEQ_LEN = 2048
+BATCH = {"100m": 16, "350m": 8, "1b": 4}
+VARIANTS = {  # in run order: the ones with targets first
+    "sum": ("sum", {}),
+    "mhar-h8-block8": ("mhar", {"heads": 8, "blocks": 8}),
+    "mhar-h8-full": ("mhar", {"heads": 8, "blocks": None}),
+    "delta-mhar-h8": ("delta-mhar", {"heads": 8}),
+    "attnres-block8": ("attnres", {"blocks": 8}),
+}
+
+
+def allow_recompiles() -> None:
+    """Full routing gives every block its own stream length, so each block compiles its own graph."""
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1 << 16)
+
+
+def run(preset: str, variant: str, steps: int, warmup: int) -> dict:
+    cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
+    name, kwargs = VARIANTS[variant]
+    model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
+    for block in model.blocks:
+        block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, cfg.vocab_size, (BATCH[preset], SEQ_LEN + 1), generator=gen).cuda()
+    x, y = data[:, :-1], data[:, 1:]
+
+    def step() -> None:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    peak = torch.cuda.max_memory_allocated()
+    tokens = BATCH[preset] * SEQ_LEN
+    row = {
+        "preset": preset, "variant": variant, "batch": BATCH[preset], "step_s": statistics.median(times),
+        "tok_s": tokens / statistics.median(times), "peak_gib": peak / 2**30, "compile_s": compile_s,
+    }
+    del model, opt, data, x, y
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="100m,350m,1b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    allow_recompiles()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}", flush=True)
+    rows = []
+    for preset in args.presets.split(","):
+        for variant in args.variants.split(","):
+            row = run(preset, variant, args.steps, args.warmup)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=1)
+    print(f"{'preset':>6} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} {'compile s':>9}")
+    for r in rows:
+        base = next((b for b in rows if b["preset"] == r["preset"] and b["variant"] == "sum"), r)
+        print(f"{r['preset']:>6} {r['variant']:>16} {r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
+              f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} {r['compile_s']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

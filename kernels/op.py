@@ -1,0 +1,90 @@
+"""`mhar::depth_route` as a `torch.library` custom op over the Triton kernels.
+
+The op has fake (shape-only) implementations and a registered autograd formula whose backward is
+itself a custom op, so `torch.compile(fullgraph=True)` traces a block through it without graph
+breaks and checkpoint recomputation simply calls it again (no state is kept across calls).
+The autograd context keeps a reference to the output (the mix): every caller feeds the mix into an op
+that saves it anyway (the sublayer pre-norm, or the `a * mix` gate), so this costs no memory. The
+backward reads it only when it is fp32 (any fp32 source, the case under autocast, where the embedding
+is fp32); for a bf16 mix it recomputes <grad, mix> from the sources instead (one more read of each),
+because the rounded mix makes the softmax gradient inexact.
+"""
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from mhar_lightning.kernels import triton_route
+from mhar_lightning.kernels.reference import check_heads
+
+
+def _folded(query: Tensor, norm_weight: Tensor) -> Tensor:
+    return query.float() * norm_weight.float()
+
+
+@torch.library.custom_op("mhar::depth_route", mutates_args=())
+def route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Mix [..., d] (bf16 if all sources are bf16, else fp32) and per-head log-sum-exp [..., heads] (fp32)."""
+    return triton_route.route_forward(sources, _folded(query, norm_weight), heads, eps)
+
+
+@route.register_fake
+def _route_fake(sources, query, norm_weight, heads, eps):
+    lead = sources[0].shape[:-1]
+    out = sources[0].new_empty((*lead, query.shape[-1]), dtype=triton_route.out_dtype(sources))
+    return out, sources[0].new_empty((*lead, heads), dtype=torch.float32)
+
+
+@torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
+def route_backward(
+    grad_out: Tensor, out: Tensor, lse: Tensor, sources: list[Tensor], query: Tensor, norm_weight: Tensor,
+    heads: int, eps: float,
+) -> list[Tensor]:
+    """Gradients [d source_0, ..., d source_{S-1}, d query, d norm_weight]."""
+    grads, du = triton_route.route_backward(grad_out, out, lse, sources, _folded(query, norm_weight), heads, eps)
+    grads = [g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
+    return grads + [(du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)]
+
+
+@route_backward.register_fake
+def _route_backward_fake(grad_out, out, lse, sources, query, norm_weight, heads, eps):
+    params = [query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)]
+    return [v.new_empty(v.shape) for v in sources] + params
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, norm_weight, heads, eps = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(out, lse, query, norm_weight, *sources)
+    ctx.heads, ctx.eps = heads, eps
+
+
+def _backward(ctx, grad_out, grad_lse):
+    out, lse, query, norm_weight, *sources = ctx.saved_tensors
+    grads = route_backward(grad_out, out, lse, sources, query, norm_weight, ctx.heads, ctx.eps)
+    return grads[:-2], grads[-2], grads[-1], None, None
+
+
+route.register_autograd(_backward, setup_context=_setup_context)
+
+
+def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """The fused route with the reference's contract (shapes, checks, promoted output dtype).
+
+    Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
+    may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
+    """
+    if len(sources) == 0:
+        raise ValueError("depth routing needs at least one source")
+    d = query.shape[-1]
+    check_heads(d, heads)
+    if any(v.shape[-1] != d for v in sources):
+        raise ValueError(f"source widths {[v.shape[-1] for v in sources]} do not all match query width {d}")
+    if any(v.shape != sources[0].shape for v in sources):
+        lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
+        sources = [v.expand(*lead, d) for v in sources]
+    out, _ = route(sources, query, norm_weight, heads, eps)
+    return out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))

@@ -1,0 +1,202 @@
+"""The fused depth-routing op against the fp64 reference (CPU through TRITON_INTERPRET, or the GPU)."""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from mhar_lightning.kernels import ENV_BACKEND, depth_route, op, reference, resolve_backend, triton_route
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # small cases run on the card when there is one, else in the interpreter
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
+    """Relative error ||a - b|| / max(||b||, scale)."""
+    assert torch.isfinite(a).all()
+    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), scale, 1e-30)).item()
+
+
+def make(S, d, lead, dtypes, device=DEVICE, seed=0):
+    """Fresh random sources (dtype per source), query and gain; the gain is away from 1, the query nonzero."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*lead, d, generator=gen) * (0.5 + n)).to(device, dt) for n, dt in enumerate(dtypes)]
+    query = (torch.randn(d, generator=gen) * 0.5).to(device)
+    gain = (1 + 0.2 * torch.randn(d, generator=gen)).to(device)
+    grad_out = torch.randn(*lead, d, generator=gen).to(device)
+    return sources, query, gain, grad_out
+
+
+def check_against_reference(sources, query, gain, grad_out, heads, tol):
+    """Forward and every gradient of the Triton path vs the reference in fp64 on the same (rounded) inputs."""
+    leaves = [v.detach().requires_grad_() for v in sources]
+    q, g = query.detach().requires_grad_(), gain.detach().requires_grad_()
+    out = depth_route(leaves, q, g, heads, backend="triton")
+    assert out.dtype == reference.depth_route(sources, query, gain, heads).dtype
+    go = grad_out.to(out.dtype)
+    out.backward(go)
+
+    ref_leaves = [v.detach().double().requires_grad_() for v in sources]
+    rq, rg = query.detach().double().requires_grad_(), gain.detach().double().requires_grad_()
+    ref = reference.depth_route(ref_leaves, rq, rg, heads)
+    ref.backward(go.double())
+
+    assert rel(out, ref) < tol
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        assert a.grad.dtype == a.dtype and rel(a.grad, b.grad) < tol
+    # with one source the softmax is constant and d query = d gain = 0 exactly: measure against the
+    # gradient scale of the op instead of zero
+    scale = ref_leaves[0].grad.norm().item() if len(sources) == 1 else 0.0
+    assert rel(q.grad, rq.grad, scale) < tol and rel(g.grad, rg.grad, scale) < tol
+
+
+CASES = [  # (S, d, heads): non-power-of-two widths and head sizes, 1 to 64 sources
+    (1, 8, 1),
+    (3, 24, 4),
+    (5, 40, 8),
+    (2, 48, 16),
+    (7, 12, 2),
+    (64, 16, 4),
+    (3, 64, 8),  # 16-byte aligned rows and heads: the vectorised path on a GPU
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,d,heads", CASES)
+def test_matches_reference(S, d, heads, dtype):
+    sources, query, gain, grad_out = make(S, d, (2, 3), [dtype] * S, seed=S * 1000 + d + heads)
+    check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
+
+
+def test_mixed_dtypes_broadcast_and_strided_sources():
+    """fp32 embedding + bf16 outputs + a stride-0 null + transposed / sliced leading dims."""
+    d, heads = 24, 4
+    sources, query, gain, grad_out = make(4, d, (3, 2), [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32])
+    null = torch.randn(d, device=DEVICE)
+    base = torch.randn(2, 6, d, device=DEVICE)
+    strided = [
+        null.expand(3, 2, d),
+        base.transpose(0, 1)[::2],
+        sources[1].transpose(0, 1).contiguous().transpose(0, 1),
+        *sources,
+    ]
+    assert strided[1].shape == (3, 2, d) and not strided[1].is_contiguous()
+    check_against_reference(strided, query, gain, grad_out, heads, TOL[torch.bfloat16])
+    fp32_only = [null.expand(3, 2, d), base.transpose(0, 1)[::2]]
+    check_against_reference(fp32_only, query, gain, grad_out, heads, TOL[torch.float32])
+
+
+def test_more_leading_dims_and_other_dtypes():
+    """4-D sources (one sliced, so no [rows, d] view exists) and an fp16 source (read through an fp32 copy)."""
+    d, heads = 16, 2
+    sources, query, gain, grad_out = make(3, d, (2, 2, 3), [torch.float32, torch.float16, torch.bfloat16])
+    sliced = torch.randn(2, 4, 3, d, device=DEVICE)[:, ::2]
+    check_against_reference([*sources, sliced], query, gain, grad_out, heads, TOL[torch.bfloat16])
+
+
+def test_outputs_fully_overwritten():
+    """Buffers poisoned with NaN are completely written by both kernels."""
+    S, d, heads = 3, 40, 8
+    sources, query, gain, grad_out = make(S, d, (2, 3), [torch.float32] * S)
+    u = query * gain
+    out = torch.full((2, 3, d), float("nan"), device=DEVICE)
+    lse = torch.full((2, 3, heads), float("nan"), device=DEVICE)
+    triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    grads = [torch.full_like(v, float("nan")) for v in sources]
+    triton_route.route_backward(grad_out, out, lse, sources, u, heads, 1e-6, grads=grads)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_checkpointed_and_deterministic():
+    """Under activation checkpointing the recomputed route gives the same gradients, bit for bit, run after run."""
+    sources, query, gain, grad_out = make(4, 40, (2, 3), [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32])
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
+
+        def f(*xs):
+            return depth_route(list(xs[:-2]), xs[-2], xs[-1], 8, backend="triton") * 2
+
+        out = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False) if checkpointed else f(*leaves)
+        out.backward(grad_out.to(out.dtype))
+        return [x.grad for x in leaves]
+
+    plain, again, ckpt = grads(False), grads(False), grads(True)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(plain, again, ckpt, strict=True))
+
+
+def test_opcheck():
+    sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32])
+    out, lse = op.route(sources, query, gain, 4, 1e-6)
+    torch.library.opcheck(op.route_backward, (grad_out, out, lse, sources, query, gain, 4, 1e-6))
+    args = ([v.requires_grad_() for v in sources], query.requires_grad_(), gain.requires_grad_(), 4, 1e-6)
+    torch.library.opcheck(op.route, args)
+
+
+@pytest.mark.parametrize("residual", ["mhar", "delta-mhar"])
+def test_compiled_decoder_block_fullgraph(monkeypatch, residual):
+    """A real decoder block (block MHAR, delta-MHAR with its stride-0 null source) traces without graph breaks."""
+    from mhar_lightning.config import ModelConfig
+    from mhar_lightning.model import Decoder, rope_cache
+    from mhar_lightning.residual import make_residual
+
+    monkeypatch.setenv(ENV_BACKEND, "triton")
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", d_model=32, n_layers=2, ffn_hidden=64, max_seq_len=8)
+    kwargs = {"heads": 4, "blocks": 2} if residual == "mhar" else {"heads": 4, "block_size": 1}
+    model = Decoder(cfg, make_residual(residual, **kwargs)).to(DEVICE)
+    with torch.no_grad():  # away from the zero init, so every routing weight and gradient is exercised
+        for name, p in model.named_parameters():
+            if name.split(".")[-1] in ("query", "gate", "null"):
+                p.normal_()
+    block = model.blocks[1]
+    stream = (*model.final_residual.start(torch.randn(2, 4, 32, device=DEVICE)), torch.randn(2, 4, 32, device=DEVICE))
+    rope = rope_cache(cfg, 4, torch.device(DEVICE))
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(stream, rope)
+    sum(o.square().sum() for o in out).backward(retain_graph=True)
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    ref = block(stream, rope)
+    sum(o.square().sum() for o in ref).backward()
+    assert all(rel(a, b) < 1e-5 for a, b in zip(out, ref, strict=True))
+    assert all(rel(a, p.grad) < 1e-5 for a, p in zip(grads, block.parameters(), strict=True))
+
+
+def test_dispatch(monkeypatch):
+    x = [torch.randn(2, 8, device=DEVICE)]
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    assert resolve_backend("auto", x) == ("triton" if CUDA else "reference")
+    assert resolve_backend("triton", x) == "triton"
+    monkeypatch.setenv(ENV_BACKEND, "reference")
+    assert resolve_backend("auto", x) == "reference"
+    assert resolve_backend("triton", x) == "triton"
+    monkeypatch.setenv(ENV_BACKEND, "triton")
+    assert resolve_backend("auto", x) == "triton"
+    monkeypatch.setenv(ENV_BACKEND, "fast")
+    with pytest.raises(ValueError):
+        resolve_backend("auto", x)
+    with pytest.raises(ValueError):
+        resolve_backend("cuda", x)
+
+
+def test_heads_must_divide_width():
+    with pytest.raises(ValueError, match="must divide"):
+        x = torch.randn(2, 12, device=DEVICE)
+        depth_route([x], x[0], x[1], 5, backend="triton")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,d,heads", [(1, 1536, 1), (9, 1536, 8), (17, 3072, 16), (64, 1024, 2), (5, 2048, 4)])
+def test_matches_reference_cuda(S, d, heads, dtype):
+    sources, query, gain, grad_out = make(S, d, (4, 33), [dtype] * S, device="cuda", seed=S + d + heads)
+    check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_mixed_and_broadcast_cuda():
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    sources, query, gain, grad_out = make(4, 1536, (2, 64), dtypes)
+    null = torch.randn(1536, device="cuda")
+    check_against_reference([null.expand_as(sources[0]), *sources], query, gain, grad_out, 8, TOL[torch.bfloat16])
