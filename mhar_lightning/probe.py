@@ -11,9 +11,8 @@ axis so that a site x source heatmap is meaningful (cells of sources a site cann
 - `delta-mhar`: `null, emb, Δ block 1, ...` (block deltas of the untouched residual stream; no final read).
 """
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.residual.delta import DeltaMHAR
-from mhar_lightning.residual.routed import KEY_NORM_EPS, MHAR, DepthRouter, capture_depth_attention
+from mhar_lightning.residual.routed import MHAR, DepthRouter, capture_depth_attention
 
 Reduce = Callable[[Tensor], Tensor]
 """Averages a tensor over data-parallel ranks (identity on one process)."""
@@ -198,37 +197,6 @@ def _full(param: Tensor) -> Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-@contextlib.contextmanager
-def record_mean_keys(routers: Sequence[DepthRouter]) -> Iterator[dict[int, Tensor]]:
-    """While open, record per routing site the token-mean RMS-normalised key of every source, [sources, d].
-
-    The routers' `route` is shadowed by a recording wrapper on the instance and restored on exit.
-    """
-    keys: dict[int, Tensor] = {}
-
-    def recording(route: Callable[[Sequence[Tensor], int], Tensor]) -> Callable[[Sequence[Tensor], int], Tensor]:
-        def wrapper(sources: Sequence[Tensor], l: int) -> Tensor:
-            with torch.no_grad():
-                normed = [
-                    (v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS))
-                    .flatten(0, -2)
-                    .mean(0)
-                    for v in sources
-                ]
-                keys[l] = torch.stack(normed).cpu()
-            return route(sources, l)
-
-        return wrapper
-
-    for router in routers:
-        router.route = recording(router.route)
-    try:
-        yield keys
-    finally:
-        for router in routers:
-            del router.route
-
-
 def query_weights(router: DepthRouter, l: int, mean_keys: Tensor) -> Tensor:
     """[heads, sources]: softmax over depth of each head's query chunk (key gain folded in) against `mean_keys`."""
     j = router.site(l)
@@ -256,11 +224,11 @@ def _reduce_together(tensors: Sequence[Tensor], reduce: Reduce) -> list[Tensor]:
 def run_probe(model: nn.Module, tokens: Tensor, reduce: Reduce | None = None) -> DepthMaps:
     """Run `model(tokens)` once (eval mode, no grad) and return its depth-attention maps.
 
-    `tokens` is [B, T] model input. `reduce` averages the captured statistics over data-parallel ranks (in one
-    call, on one flat tensor) before anything is derived from them, so every rank ends with the same maps; the model runs on every rank (as
-    FSDP needs). `query_weights` take each head's softmax of its trained query chunk against the token-mean
-    RMS-normalised key of every source: the routing the queries alone imply for a typical token, which
-    separates the queries' own disagreement from token-to-token variation in the captured weights.
+    `tokens` is [B, T] model input. `reduce` averages the captured statistics over data-parallel ranks (one
+    call on one flat tensor) before anything is derived from them, so every rank ends with the same maps; the
+    model runs on every rank (as FSDP needs). `query_weights` take each head's softmax of its trained query
+    chunk against the token-mean RMS-normalised key of every source: the routing the queries alone imply for a
+    typical token, which separates the queries' own disagreement from token-to-token variation.
     """
     routers = routers_of(model)
     if not routers:
@@ -269,14 +237,15 @@ def run_probe(model: nn.Module, tokens: Tensor, reduce: Reduce | None = None) ->
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), capture_depth_attention(model) as captured, record_mean_keys(routers) as keys:
+        with torch.no_grad(), capture_depth_attention(model) as captured:
             model(tokens)
     finally:
         model.train(was_training)
-    by_site = {l: r for r in routers for l in r.sites if l in captured}
-    layout = depth_layout(routers, {l: w.shape[-1] for l, w in captured.items()})
+    by_site = {l: r for r in routers for l in r.sites if l in captured.weights}
+    layout = depth_layout(routers, {l: w.shape[-1] for l, w in captured.weights.items()})
     n = len(layout.sites)
-    reduced = _reduce_together([captured[l] for l in layout.sites] + [keys[l] for l in layout.sites], reduce)
+    stats = [captured.weights[l] for l in layout.sites] + [captured.keys[l] for l in layout.sites]
+    reduced = _reduce_together(stats, reduce)
     weights, mean_keys = reduced[:n], reduced[n:]
     from_queries = [query_weights(by_site[l], l, k) for l, k in zip(layout.sites, mean_keys)]
     gates = [_full(r.gate).detach().float().cpu() for r in routers if isinstance(r, DeltaMHAR) and hasattr(r, "gate")]

@@ -42,12 +42,12 @@ def test_capture_is_off_by_default_and_switched_off_after():
     assert all(r.capture is None for r in routers)
     with capture_depth_attention(model) as captured:
         model(torch.randint(0, TINY.vocab_size, (1, 5)))
-    assert sorted(captured) == list(range(TINY.n_sublayers + 1))
-    assert captured[3].shape == (4, 4)  # sublayer 3 (mlp 1) sees the embedding and three sublayer outputs
+    assert sorted(captured.weights) == sorted(captured.keys) == list(range(TINY.n_sublayers + 1))
+    assert captured.weights[3].shape == (4, 4)  # sublayer 3 (mlp 1) sees the embedding and three sublayer outputs
+    assert captured.keys[3].shape == (4, TINY.d_model)
     assert all(r.capture is None for r in routers)
-    assert all("route" not in vars(r) for r in routers)  # run_probe's key recorder leaves no trace either
     run_probe(model, torch.randint(0, TINY.vocab_size, (1, 5)))
-    assert all("route" not in vars(r) and r.capture is None for r in routers)
+    assert all(r.capture is None for r in routers)
 
 
 @pytest.mark.parametrize("residual", [MHAR(heads=4), MHAR(heads=2, blocks=3), DeltaMHAR(heads=4, block_size=1)])
@@ -70,7 +70,7 @@ def test_capture_changes_neither_loss_nor_gradients(residual):
     plain_loss, plain_grads = loss_and_grads()
     with capture_depth_attention(model) as captured:
         captured_loss, captured_grads = loss_and_grads()
-    assert captured
+    assert captured.weights
     assert torch.equal(plain_loss, captured_loss)
     assert plain_grads.keys() == captured_grads.keys()
     assert all(torch.equal(plain_grads[n], captured_grads[n]) for n in plain_grads)

@@ -3,6 +3,7 @@
 import contextlib
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -15,11 +16,30 @@ from mhar_lightning.residual.base import Residual, Stream, register_residual
 KEY_NORM_EPS = 1e-6
 
 
+@dataclass
+class DepthCapture:
+    """What routing sites saw during captured forwards, keyed by sublayer (`n_sublayers` is the final read).
+
+    `weights[l]`: softmax over depth per head, [heads, sources], averaged over tokens.
+    `keys[l]`: RMS-normalised sources averaged over tokens, [sources, d] (what the queries are matched against).
+    """
+
+    weights: dict[int, Tensor] = field(default_factory=dict)
+    keys: dict[int, Tensor] = field(default_factory=dict)
+
+    @torch.no_grad()
+    def record(self, l: int, sources: Stream, query: Tensor, key_norm: Tensor, heads: int) -> None:
+        weights = depth_weights(sources, query, key_norm, heads, KEY_NORM_EPS)
+        self.weights[l] = weights.flatten(0, -3).mean(0).float().cpu()
+        normed = [v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS) for v in sources]
+        self.keys[l] = torch.stack([v.flatten(0, -2).mean(0) for v in normed]).cpu()
+
+
 class DepthRouter(Residual):
     """Shared machinery of routed strategies: a zero-initialised pseudo-query and a key-RMSNorm gain per site.
 
-    While a capture dict is attached (see `capture_depth_attention`), every routing call also records its
-    softmax weights averaged over tokens, shaped [heads, sources]; otherwise capturing costs nothing.
+    While a `DepthCapture` is attached (see `capture_depth_attention`), every routing call also records its
+    token-averaged softmax weights and source keys; otherwise capturing costs nothing.
     """
 
     def __init__(self, heads: int) -> None:
@@ -27,7 +47,7 @@ class DepthRouter(Residual):
         if heads < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
         self.heads = heads
-        self.capture: dict[int, Tensor] | None = None
+        self.capture: DepthCapture | None = None
 
     def build_sites(self, config: ModelConfig, n_sites: int) -> None:
         check_heads(config.d_model, self.heads)
@@ -43,9 +63,7 @@ class DepthRouter(Residual):
         """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
         j = self.site(l)
         if self.capture is not None:
-            with torch.no_grad():
-                weights = depth_weights(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
-                self.capture[l] = weights.flatten(0, -3).mean(0).float().cpu()
+            self.capture.record(l, sources, self.query[j], self.key_norm[j], self.heads)
         return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
     def extra_repr(self) -> str:
@@ -94,12 +112,9 @@ class AttnRes(MHAR):
 
 
 @contextlib.contextmanager
-def capture_depth_attention(model: nn.Module) -> Iterator[dict[int, Tensor]]:
-    """Record the depth-attention weights of every routing site of `model` while the context is open.
-
-    Yields a dict filled by each forward: sublayer index -> [heads, sources] weights averaged over tokens.
-    """
-    captured: dict[int, Tensor] = {}
+def capture_depth_attention(model: nn.Module) -> Iterator[DepthCapture]:
+    """Record the depth attention of every routing site of `model` while the context is open."""
+    captured = DepthCapture()
     routers = [m for m in model.modules() if isinstance(m, DepthRouter)]
     for router in routers:
         router.capture = captured
