@@ -7,12 +7,35 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 
 from mhar_lightning.config import ModelConfig
+from mhar_lightning.convert import converted_state_dict
 from mhar_lightning.loss import chunked_cross_entropy
 from mhar_lightning.model import Decoder
 from mhar_lightning.optim import OptimizerConfig, build_optimizer
+from mhar_lightning.parallel import (
+    ActivationCheckpointing,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    compile_blocks,
+    fsdp_mesh,
+    materialize,
+)
 from mhar_lightning.residual import Residual, make_residual
+from mhar_lightning.resume import SameWorldSize
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """`torch.bfloat16` from `"bfloat16"` (config files name dtypes as strings)."""
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
 
 
 class LanguageModel(L.LightningModule):
@@ -28,6 +51,11 @@ class LanguageModel(L.LightningModule):
         optimizer: AdamW and schedule settings.
         grad_clip: max global gradient norm (0 disables clipping).
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
+        activation_checkpointing: per transformer block: `none`, `full` or `selective` (see `parallel.py`).
+        compile: `torch.compile` each transformer block.
+        init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
+        param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
+            master weights and optimizer state stay fp32).
     """
 
     def __init__(
@@ -40,6 +68,11 @@ class LanguageModel(L.LightningModule):
         optimizer: OptimizerConfig | dict[str, Any] | None = None,
         grad_clip: float = 1.0,
         loss_chunk_tokens: int = 4096,
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+        init_from: str | None = None,
+        param_dtype: str = "bfloat16",
+        reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
         overrides = dict(model_overrides or {})
@@ -52,16 +85,68 @@ class LanguageModel(L.LightningModule):
         self.optimizer_config = OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         self.grad_clip = grad_clip
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
+        self.compile_blocks = compile
+        self.init_from = init_from
+        self.param_dtype, self.reduce_dtype = _dtype(param_dtype), _dtype(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
-        self.hparams["optimizer"] = asdict(self.optimizer_config)
+        self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0
 
     def configure_model(self) -> None:
-        """Build the decoder (under Lightning's init context, so big models can start on the meta device)."""
-        if self.decoder is None:
-            self.decoder = Decoder(self.model_config, self.residual)
+        """Build the decoder: sharded with FSDP2 under `ModelParallelStrategy`, whole otherwise (single device, DDP).
+
+        With a device mesh the decoder is built on the meta device, checkpointed, compiled and sharded per block,
+        then each rank allocates and initialises only its shards, so a large model never exists whole on one rank.
+        `init_from` weights are read on rank 0 only and scattered shard by shard. Without a trainer (e.g.
+        `load_from_checkpoint`) `init_from` is skipped: the checkpoint holds the weights.
+        """
+        if self.decoder is not None:
+            return
+        mesh = self._device_mesh
+        if mesh is None:
+            decoder = Decoder(self.model_config, self.residual)
+        else:
+            with torch.device("meta"):
+                decoder = Decoder(self.model_config, self.residual)
+        apply_activation_checkpointing(decoder, self.activation_checkpointing)
+        if self.compile_blocks:
+            compile_blocks(decoder)
+        load = self.init_from is not None and self._trainer is not None
+        if mesh is None:
+            if load:
+                decoder.load_state_dict(self._init_state(decoder))
+        else:
+            precision = str(self.trainer.precision)
+            if precision.endswith("-true") and precision != "32-true":
+                raise ValueError(
+                    f"precision={precision} casts the fp32 master weights; use precision=32-true with"
+                    " ModelParallelStrategy (param_dtype and reduce_dtype set FSDP2's mixed precision)"
+                )
+            mesh = fsdp_mesh(mesh)
+            apply_fsdp(decoder, mesh, self.param_dtype, self.reduce_dtype)
+            materialize(decoder, self.trainer.strategy.root_device, mesh)
+            if load:
+                state = self._init_state(decoder)  # memory-mapped and checked on every rank, read on rank 0 only
+                state = state if self.global_rank == 0 else {}
+                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+                set_model_state_dict(decoder, state, options=options)
+        self.decoder = decoder
+
+    def _init_state(self, decoder: Decoder) -> dict[str, Tensor]:
+        """The memory-mapped state dict of `init_from`, checked against `decoder`'s parameter names and shapes."""
+        state = converted_state_dict(self.init_from)
+        expected = {name: tuple(p.shape) for name, p in decoder.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in state.items()}
+        if expected != found:
+            diff = sorted(set(expected.items()) ^ set(found.items()))[:4]
+            raise ValueError(
+                f"init_from={self.init_from} does not match preset/residual of this model (first differences: {diff});"
+                " convert it with the same preset and residual"
+            )
+        return state
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.decoder(tokens)
@@ -99,7 +184,15 @@ class LanguageModel(L.LightningModule):
             norm = torch.nn.utils.clip_grad_norm_(self.decoder.parameters(), self.grad_clip)
             self.log("train/grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""
+        return [SameWorldSize()]
+
     def configure_optimizers(self):
-        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        # Not `trainer.estimated_stepping_batches`: in Lightning 2.6 it builds the train loader before a resume
+        # restores its state, silently losing the data position (Lightning issue #20550).
+        total_steps = self.trainer.max_steps
+        if total_steps is None or total_steps < 1:
+            raise ValueError("set trainer.max_steps: the learning-rate schedule is defined over optimizer steps")
         optimizer, scheduler = build_optimizer(self.decoder, self.optimizer_config, total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,7 +1,8 @@
 """Tokenizers built without network: a byte tokenizer and tiktoken BPE encodings from verified local rank files.
 
-``load_tokenizer`` accepts ``byte``, ``gpt2`` (alias of ``r50k_base``), ``cl100k_base`` or a path to a
-``.tiktoken`` rank file. Rank files for the named encodings are looked up, in order, in
+``load_tokenizer`` accepts ``byte``, ``gpt2`` (alias of ``r50k_base``), ``cl100k_base``, a path to a
+``.tiktoken`` rank file, or the ``tokenizer.model`` of a Llama 3 checkpoint (a tiktoken rank file of 128,000
+ranks, recognised by that count and given Llama 3's pattern and 256 special tokens: vocab 128,256). Rank files for the named encodings are looked up, in order, in
 
 1. ``$MHAR_TIKTOKEN_DIR/<name>.tiktoken``;
 2. tiktoken's own download cache (``$TIKTOKEN_CACHE_DIR``, ``$DATA_GYM_CACHE_DIR`` or ``<tmp>/data-gym-cache``);
@@ -36,6 +37,21 @@ _CL100K_PAT = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]"""
     r"""|\s+(?!\S)|\s"""
 )
+_LLAMA3_PAT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+_LLAMA3_RANKS = 128_000
+_LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+    *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
+]
 
 
 @dataclass(frozen=True)
@@ -116,11 +132,11 @@ class ByteTokenizer(Tokenizer):
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken BPE encoding built from an in-memory rank table."""
 
-    def __init__(self, encoding: tiktoken.Encoding, fingerprint: str) -> None:
+    def __init__(self, encoding: tiktoken.Encoding, fingerprint: str, eot_id: int | None = None) -> None:
         self.encoding = encoding
         self.name = encoding.name
         self.vocab_size = encoding.n_vocab
-        self.eot_id = encoding.eot_token
+        self.eot_id = encoding.eot_token if eot_id is None else eot_id
         self.fingerprint = fingerprint
 
     def encode(self, text: str) -> list[int]:
@@ -141,12 +157,15 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if name in _SPECS:
         return _build(_SPECS[name], _find_ranks(_SPECS[name]))
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".tiktoken":
+    if path.suffix in (".tiktoken", ".model"):
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file {path} does not exist: pass an existing .tiktoken rank file")
+            raise FileNotFoundError(f"tokenizer file {path} does not exist: pass an existing tiktoken rank file")
         return _from_file(path)
     known = ", ".join(["byte", *_ALIASES, *_SPECS])
-    raise ValueError(f"unknown tokenizer {name_or_path!r}: use one of {known} or a path to a .tiktoken file")
+    raise ValueError(
+        f"unknown tokenizer {name_or_path!r}: use one of {known}, a path to a .tiktoken file, or a Llama 3"
+        " checkpoint's original/tokenizer.model"
+    )
 
 
 def _build(spec: _EncodingSpec, rank_file: bytes) -> TiktokenTokenizer:
@@ -157,13 +176,18 @@ def _build(spec: _EncodingSpec, rank_file: bytes) -> TiktokenTokenizer:
 
 
 def _from_file(path: Path) -> TiktokenTokenizer:
-    """A user's rank file: an official one gets its encoding's pattern, any other the GPT-2 pattern plus EOT."""
+    """A user's rank file: an official one gets its encoding's pattern, a Llama 3 one Llama 3's pattern and
+    special tokens (end-of-text `<|end_of_text|>`), any other the GPT-2 pattern plus an end-of-text token."""
     data = path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     spec = next((s for s in _SPECS.values() if s.sha256 == digest), None)
     if spec is not None:
         return _build(spec, data)
     ranks = _parse_ranks(data)
+    if len(ranks) == _LLAMA3_RANKS:
+        specials = {token: _LLAMA3_RANKS + i for i, token in enumerate(_LLAMA3_SPECIALS)}
+        encoding = tiktoken.Encoding("llama3", pat_str=_LLAMA3_PAT, mergeable_ranks=ranks, special_tokens=specials)
+        return TiktokenTokenizer(encoding, digest, eot_id=specials["<|end_of_text|>"])
     encoding = tiktoken.Encoding(
         path.stem, pat_str=_R50K_PAT, mergeable_ranks=ranks, special_tokens={ENDOFTEXT: max(ranks.values()) + 1}
     )

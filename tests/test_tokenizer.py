@@ -115,3 +115,21 @@ def test_loading_writes_no_cache() -> None:
         load_tokenizer(name)
     for var in ("MHAR_CACHE_DIR", "TIKTOKEN_CACHE_DIR", "MHAR_TIKTOKEN_DIR"):
         assert not Path(os.environ[var]).exists()
+
+
+def test_llama3_tokenizer_model_gets_llama3_specials_and_digit_groups(tmp_path):
+    """A 128,000-rank file (the shape of Llama 3's original/tokenizer.model) is tokenized the Llama 3 way."""
+    singles = [bytes([b]) for b in range(256)]
+    digits = [f"{n:03d}".encode() for n in range(1000)] + [f"{n:02d}".encode() for n in range(100)]
+    filler = [f"<t{i}>".encode() for i in range(128_000 - len(singles) - len(digits))]
+    lines = [base64.b64encode(tok) + b" " + str(rank).encode() for rank, tok in enumerate(singles + digits + filler)]
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+    tok = load_tokenizer(str(path))
+    # Meta's layout: 128,000 BPE ranks, then <|begin_of_text|>, <|end_of_text|>, ... <|eot_id|> at 128,009.
+    assert tok.vocab_size == 128_256 and tok.eot_id == 128_001
+    assert tok.encoding.encode("<|eot_id|>", allowed_special="all") == [128_009]
+    ids = tok.encode("1234567")  # Llama 3 splits digits in groups of at most three: 123 456 7
+    assert [tok.decode([i]) for i in ids] == ["123", "456", "7"]
+    assert tok.decode(tok.encode("x = 1234\n\n")) == "x = 1234\n\n"

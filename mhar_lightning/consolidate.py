@@ -1,0 +1,60 @@
+"""`mhar consolidate SHARDED_DIR OUT.ckpt`: a sharded (FSDP2) checkpoint as one file loadable on one device.
+
+A sharded checkpoint written by Lightning's `ModelParallelStrategy` is a directory: the model and optimizer shards
+(torch.distributed.checkpoint, one file per rank) plus `meta.pt` (loops, schedules, hyperparameters) from rank 0.
+Consolidation reads only the model weights (not the optimizer state, which is twice their size), on one CPU
+process, and writes a regular Lightning checkpoint that `LanguageModel.load_from_checkpoint` loads.
+"""
+
+import argparse
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+
+META_FILE = "meta.pt"  # written by Lightning's ModelParallelStrategy next to the shards
+MODEL_KEY = "state_dict"
+
+
+def consolidate(sharded_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the full model weights (optionally cast to `dtype`) and the run's metadata of `sharded_dir` to `out`."""
+    sharded_dir, out = Path(sharded_dir), Path(out)
+    if not (sharded_dir / META_FILE).is_file() or not (sharded_dir / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"{sharded_dir} is not a sharded checkpoint directory (no {META_FILE} and .metadata): pass a checkpoint"
+            " written with ModelParallelStrategy(save_distributed_checkpoint=True)"
+        )
+    checkpoint = torch.load(sharded_dir / META_FILE, map_location="cpu", weights_only=True)
+    reader = FileSystemReader(sharded_dir)
+    prefix = f"{MODEL_KEY}."
+    state = {
+        key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent
+        load({MODEL_KEY: state}, storage_reader=reader, no_dist=True)
+    checkpoint[MODEL_KEY] = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mhar consolidate", description=__doc__.splitlines()[0])
+    parser.add_argument("sharded_dir", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    parser.add_argument("out", help="the single-file checkpoint to write (e.g. model.ckpt)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved, fp32)")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.sharded_dir, args.out, getattr(torch, args.dtype) if args.dtype else None)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""Scaling a `Decoder` over GPUs with FSDP2: activation checkpointing, per-block compile, sharding, memory plan.
+
+Apply in torchtitan's order: `apply_activation_checkpointing`, then `compile_blocks`, then `apply_fsdp`, then
+`materialize` (the model is built on the meta device, so each rank only ever allocates its own shards).
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.model import Decoder
+
+
+class ActivationCheckpointing(StrEnum):
+    """What each transformer block keeps for backward.
+
+    `full` keeps only the block's input stream and recomputes the block; `selective` keeps the outputs of
+    matrix products and attention and recomputes the cheap, memory-heavy ops (norms, SwiGLU, RoPE, routing).
+    """
+
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(forward: Callable, selective: bool) -> Callable:
+    """`forward` run under non-reentrant activation checkpointing (the module keeps its parameter names)."""
+    kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} if selective else {}
+
+    @functools.wraps(forward)
+    def run(*args):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(decoder: Decoder, mode: ActivationCheckpointing | str) -> None:
+    """Checkpoint every transformer block's forward in place (`none`, `full` or `selective`)."""
+    mode = ActivationCheckpointing(mode)
+    if mode == ActivationCheckpointing.NONE:
+        return
+    for block in decoder.blocks:
+        block.forward = _checkpointed(block.forward, selective=mode == ActivationCheckpointing.SELECTIVE)
+
+
+def compile_blocks(decoder: Decoder) -> None:
+    """`torch.compile` each transformer block in place (same parameter names and state-dict keys).
+
+    Blocks share one code object, but routed strategies pass a stream whose length grows with depth and each
+    block has its own sublayer indices, so up to one graph per block is compiled: the recompile limit is raised
+    to the number of blocks, else the deeper blocks would silently fall back to eager.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(decoder.blocks))
+    for block in decoder.blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    decoder: Decoder,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Shard `decoder` with FSDP2 over `mesh`: one group per block, embedding, norm + head, and the root.
+
+    A 1-D mesh shards over all its ranks; a 2-D mesh is HSDP (replicate over dim 0, shard over dim 1).
+
+    Each block's residual router is inside the block, so its routing parameters shard with it. The root holds the
+    final router (used at the start and end of `hidden`) and, when the head is tied, the embedding and head, so
+    that one group owns the shared weight. `hidden` (what the loss calls) is registered as a forward method, and
+    the head and root stay unsharded after forward because the loss uses `head.weight` outside `head.forward`.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=policy)
+    last = len(decoder.blocks) - 1
+    for i, block in enumerate(decoder.blocks):
+        shard(block, reshard_after_forward=i < last)  # the last block's backward comes right after its forward
+    if not decoder.config.tie_embeddings:
+        shard(decoder.embed, reshard_after_forward=True)
+        shard([decoder.norm, decoder.head], reshard_after_forward=False)
+    shard(decoder, reshard_after_forward=False)
+    register_fsdp_forward_method(decoder, "hidden")
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The FSDP mesh for Lightning's `ModelParallelStrategy` mesh `(data_parallel, tensor_parallel)`.
+
+    The kit has no tensor parallelism, so the second dimension is the shard group: a dimension of size 1 is
+    dropped (plain FSDP over the other), and two real dimensions give HSDP, sharded within each group of
+    `tensor_parallel_size` ranks (Lightning's default: the GPUs of one node) and replicated across groups.
+    """
+    if mesh.ndim == 1:
+        return mesh
+    replicate, shard = mesh.mesh_dim_names
+    if mesh[shard].size() == 1:
+        return mesh[replicate]
+    if mesh[replicate].size() == 1:
+        return mesh[shard]
+    return mesh
+
+
+@torch.no_grad()
+def materialize(decoder: Decoder, device: torch.device | str, mesh: DeviceMesh | None = None) -> None:
+    """Allocate a meta-device (possibly sharded over `mesh`) `decoder` on `device` and run the real init.
+
+    Lightning's own materialisation calls each module's `reset_parameters`, which for `nn.Linear` is not our init.
+    On GPUs, DTensor's RNG tracker gives every shard its own part of one random stream. On CPU it has none, and
+    every rank would draw the same numbers, so identical shards; there each shard index gets its own seed (HSDP
+    replicas share their shard's seed, so replicas stay equal).
+    """
+    decoder.to_empty(device=device)
+    if mesh is None or torch.device(device).type != "cpu":
+        decoder.init_weights()
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + 7919 * mesh.get_local_rank(mesh.ndim - 1))
+        decoder.init_weights()
+
+
+def unsharded_parameter_count(decoder: nn.Module) -> int:
+    """Parameters of the whole model (global shapes, shared weights once), sharded or not."""
+    return sum(p.numel() for p in {id(p): p for p in decoder.parameters()}.values())
+
+
+def routing_parameter_count(config: ModelConfig, residual) -> int:
+    """Residual-routing parameters a `Decoder(config, residual)` adds (counted on the meta device)."""
+    with torch.device("meta"):
+        model = Decoder(config, residual)
+    return unsharded_parameter_count(model) - config.num_params()
+
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes per GPU of one FSDP2 training step (AdamW, fp32 master weights and reduce, bf16 compute)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def table(self) -> str:
+        """A Markdown table in GiB."""
+        rows = [("parameters", self.params), ("gradients", self.grads), ("optimizer (AdamW)", self.optimizer)]
+        rows += [("activations", self.activations), ("total", self.total)]
+        return "| | GiB |\n| --- | ---: |\n" + "\n".join(f"| {name} | {b / GiB:.1f} |" for name, b in rows)
+
+
+def memory_plan(
+    config: ModelConfig,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: ActivationCheckpointing | str = "none",
+    routing_params: int = 0,
+    stream_tensors: int = 1,
+    loss_chunk_tokens: int = 4096,
+) -> MemoryPlan:
+    """Per-GPU memory of FSDP2 training as `apply_fsdp` sets it up (an estimate: no allocator slack or buffers).
+
+    params: fp32 shards plus bf16 all-gathered copies (two blocks in flight, and the unsharded embedding, norm and
+    head); grads: fp32 shards plus bf16 unsharded gradients of two blocks; optimizer: AdamW's two fp32 moments.
+    activations: bf16 tensors kept for backward per token and block (see docs/scaling.md), the residual stream's
+    `stream_tensors` live tensors per block boundary (1 for `sum`; more for routed strategies), one checkpointed
+    block being recomputed, and one chunk of fp32 logits in the loss.
+    """
+    mode = ActivationCheckpointing(activation_checkpointing)
+    d, f, v, n = config.d_model, config.ffn_hidden, config.vocab_size, config.n_layers
+    kv = config.n_kv_heads * config.head_dim
+    total = config.num_params() + routing_params
+    shard = -(-total // world_size)
+    block = config.block_params() + routing_params // n
+    edges = v * d * (1 if config.tie_embeddings else 2) + d
+    tokens = micro_batch * seq_len
+    # bytes per token a block keeps: norm inputs (fp32) and outputs, q/k/v, attention output, o input,
+    # gate/up/silu/product of the MLP, the block's routing read and partial sums (2 bf16 tensors per sublayer).
+    full_block = 2 * (4 * d + 2 * d) + 2 * (d + 2 * kv) + 2 * d + 2 * d + 4 * 2 * f + 2 * 2 * d
+    kept = {
+        ActivationCheckpointing.NONE: full_block,
+        ActivationCheckpointing.SELECTIVE: 2 * (2 * d + 2 * kv) + 2 * d + 2 * (2 * f + d),  # matmul + attention outputs
+        ActivationCheckpointing.FULL: 0,
+    }[mode]
+    stream = 2 * d * stream_tensors
+    recompute = 0 if mode == ActivationCheckpointing.NONE else full_block
+    activations = tokens * (n * (kept + stream) + recompute) + min(tokens, loss_chunk_tokens) * v * 4 * 2
+    return MemoryPlan(
+        params=4 * shard + 2 * (2 * block + edges),
+        grads=4 * shard + 2 * 2 * block,
+        optimizer=8 * shard,
+        activations=activations,
+    )

@@ -1,0 +1,66 @@
+"""Shared pieces of the multi-process FSDP2 tests: a tiny prepared corpus, initial weights, and running ranks."""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.data.prepare import prepare_files
+from mhar_lightning.model import Decoder
+from mhar_lightning.residual import make_residual
+from mhar_lightning.tokenizer import load_tokenizer
+
+SCRIPT = Path(__file__).with_name("fsdp_run.py")
+MHAR = {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}
+DELTA = {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 2}}
+
+
+def tiny_corpus(root: Path) -> Path:
+    """A few standard-library sources as byte tokens (about 100k tokens)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ("abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py")]
+    out = root / "corpus"
+    prepare_files(files, out, load_tokenizer("byte"), val_fraction=0.0, progress=False)
+    return out
+
+
+def converted_init(root: Path, residual: dict, tie: bool = True, seed: int = 1) -> tuple[Decoder, Path]:
+    """The model and a converted-checkpoint directory (the `mhar convert` layout) with random tiny-model weights.
+
+    The routing queries are randomised too, so that routing actually mixes depth from the first step.
+    """
+    config = ModelConfig.preset("tiny", max_seq_len=32, tie_embeddings=tie)
+    name = {"MHAR": "mhar", "DeltaMHAR": "delta-mhar"}[residual["class_path"].rsplit(".", 1)[1]]
+    out = root / f"init-{name}-{'tied' if tie else 'untied'}"
+    torch.manual_seed(seed)
+    model = Decoder(config, make_residual(residual))
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if ".residual." in param_name or param_name.startswith("final_residual."):
+                p.normal_(std=0.5)
+    out.mkdir(exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tie and k == "head.weight")}
+    save_file(state, str(out / "model.safetensors"))
+    meta = {"format_version": 1, "model": config.to_dict(), "residual": {"name": name, "args": residual["init_args"]}}
+    (out / "mhar_config.json").write_text(json.dumps(meta))
+    return model, out
+
+
+def run_ranks(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    for var in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def losses(out: Path, rank: int) -> dict[int, float]:
+    """Step -> loss of `rank` (the last record of a step wins, as after a resume)."""
+    records = [json.loads(line) for line in (out / f"losses-rank{rank}.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}

@@ -1,0 +1,106 @@
+"""A tiny training run for the multi-process tests: `python tests/fsdp_run.py --out DIR ...` (Lightning starts the ranks).
+
+Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-rank{r}.json` (local vs global
+parameter elements) and, at the end, the all-gathered weights to `OUT/gathered.pt`. `--kill-at` ends every rank abruptly after that step, as a pre-emption would.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+
+from mhar_lightning.data import TokenDataModule
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.resume import SameWorldSize
+
+torch.set_num_threads(1)
+
+
+class Record(L.Callback):
+    """Append (step, loss) per rank; optionally die hard after `kill_at` steps."""
+
+    def __init__(self, out: Path, kill_at: int | None) -> None:
+        self.out, self.kill_at = out, kill_at
+
+    def on_train_start(self, trainer: L.Trainer, module: LanguageModel) -> None:
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
+        total = sum(p.numel() for p in module.parameters())
+        (self.out / f"shards-rank{trainer.global_rank}.json").write_text(json.dumps({"local": local, "total": total}))
+
+    def on_train_end(self, trainer: L.Trainer, module: LanguageModel) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(module, options=options)  # collective: all-gathers every shard
+        if trainer.global_rank == 0:
+            torch.save(state, self.out / "gathered.pt")
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: LanguageModel, outputs, batch, batch_idx: int) -> None:
+        with open(self.out / f"losses-rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": outputs["loss"].item()}) + "\n")
+        if trainer.global_step == self.kill_at:
+            os._exit(17)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--init", help="converted checkpoint directory with the initial weights (default: random init)")
+    parser.add_argument("--residual", default='{"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}')
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--replicas", type=int, default=1, help="HSDP replica groups (ModelParallelStrategy's data_parallel_size)")
+    parser.add_argument("--batch", type=int, default=4, help="per rank")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--resume", help="checkpoint path or 'last'")
+    parser.add_argument("--activation-checkpointing", default="none")
+    parser.add_argument("--untied", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(0)
+    module = LanguageModel(
+        preset="tiny",
+        residual=json.loads(args.residual),
+        seq_len=32,
+        model_overrides={"tie_embeddings": not args.untied},
+        optimizer={"lr": 3e-3, "warmup_steps": 2},
+        init_from=args.init,
+        activation_checkpointing=args.activation_checkpointing,
+        param_dtype="float32",
+    )
+    data = TokenDataModule(args.data, tokenizer="byte", seq_len=32, batch_size=args.batch, samples_per_epoch=512,
+                           val_samples=None, verify_checksums=False)
+    callbacks = [Record(args.out, args.kill_at), SameWorldSize()]
+    if args.ckpt_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link"))
+    strategy = ModelParallelStrategy(data_parallel_size=args.replicas, tensor_parallel_size=args.devices // args.replicas) if args.fsdp else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(args.ckpt_every),
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""A 2-process FSDP2 run killed after its sharded checkpoint resumes with exactly the losses of an uninterrupted run."""
+
+import json
+from pathlib import Path
+
+from fsdp_helpers import DELTA, converted_init, losses, run_ranks, tiny_corpus
+
+STEPS, CKPT_EVERY, KILL_AT = 8, 3, 5
+
+
+def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
+    _, init = converted_init(tmp_path, DELTA, tie=False)
+    model = ["--data", str(tiny_corpus(tmp_path)), "--init", str(init), "--residual", json.dumps(DELTA), "--untied"]
+
+    def args(out: Path, devices: int = 2, *extra: str) -> list[str]:
+        return ["--out", str(out), *model, "--fsdp", "--devices", str(devices), "--steps", str(STEPS), *extra]
+
+    uninterrupted = tmp_path / "uninterrupted"
+    assert run_ranks(*args(uninterrupted)).returncode == 0
+
+    run = tmp_path / "run"
+    killed = run_ranks(*args(run, 2, "--ckpt-every", str(CKPT_EVERY), "--kill-at", str(KILL_AT)))
+    assert killed.returncode == 17, killed.stderr[-3000:]  # every rank died right after step KILL_AT
+    assert (run / "ckpt" / "last.ckpt").resolve().name == f"epoch=0-step={CKPT_EVERY}.ckpt"
+    assert [len((run / f"losses-rank{r}.jsonl").read_text().splitlines()) for r in (0, 1)] == [KILL_AT, KILL_AT]
+
+    resumed = run_ranks(*args(run, 2, "--ckpt-every", str(CKPT_EVERY), "--resume", "last"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (run / f"losses-rank{rank}.jsonl").read_text().splitlines()]
+        after = {r["step"]: r["loss"] for r in records[KILL_AT:]}
+        assert sorted(after) == list(range(CKPT_EVERY + 1, STEPS + 1))  # continued from the checkpoint's step
+        reference = losses(uninterrupted, rank)
+        assert after == {step: reference[step] for step in after}  # bit-exact: weights, optimizer, schedule, data
+
+    other = run_ranks(*args(tmp_path / "other", 1, "--ckpt-every", str(CKPT_EVERY), "--resume", str(run / "ckpt" / "last.ckpt")))
+    assert other.returncode != 0
+    assert "written by 2 ranks and this run has 1: resume with 2 ranks" in other.stderr

@@ -1,0 +1,104 @@
+"""FSDP2 training (2 and 4 CPU processes, gloo) matches a single-process run of the same global batch."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fsdp_helpers import DELTA, MHAR, converted_init, losses, run_ranks, tiny_corpus
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.parallel import (
+    ActivationCheckpointing,
+    apply_activation_checkpointing,
+    memory_plan,
+)
+
+STEPS = 6
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fsdp")
+    tiny_corpus(root)
+    return root
+
+
+def _run(workdir: Path, name: str, *args: str) -> Path:
+    out = workdir / name
+    result = run_ranks("--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args)  # a later --steps wins
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def _mean_losses(out: Path, ranks: int) -> list[float]:
+    per_rank = [losses(out, r) for r in range(ranks)]
+    assert all(sorted(p) == list(range(1, STEPS + 1)) for p in per_rank)
+    return [sum(p[s] for p in per_rank) / ranks for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize(
+    ("residual", "tie", "checkpointing", "replicas", "devices"),
+    [
+        (MHAR, True, "full", 1, 2),  # tied head: embedding and head share the root's group
+        (DELTA, False, "selective", 1, 2),  # untied: embedding and norm + head groups; delta's null in the root
+        (MHAR, False, "none", 2, 4),  # HSDP: 2 replicas of a 2-way shard
+    ],
+    ids=["fsdp2-mhar-tied", "fsdp2-delta-untied", "hsdp-2x2"],
+)
+def test_sharded_losses_match_one_process(workdir: Path, residual: dict, tie: bool, checkpointing: str, replicas: int, devices: int) -> None:
+    """Per-step losses (mean over ranks) equal the single-process run's; every rank holds 1/shards of the model."""
+    _, init = converted_init(workdir, residual, tie=tie)
+    tag = init.name
+    common = ["--init", str(init), "--residual", json.dumps(residual), *([] if tie else ["--untied"])]
+    single = _run(workdir, f"single-{tag}", *common, "--devices", "1", "--batch", str(GLOBAL_BATCH))
+    sharded = _run(
+        workdir, f"sharded-{tag}-{devices}", *common, "--fsdp", "--devices", str(devices), "--replicas", str(replicas),
+        "--batch", str(GLOBAL_BATCH // devices), "--activation-checkpointing", checkpointing,
+    )
+    reference, got = _mean_losses(single, 1), _mean_losses(sharded, devices)
+    assert reference[-1] < reference[0] - 0.3  # it trains
+    assert got == pytest.approx(reference, abs=2e-5, rel=0)
+    shards = devices // replicas
+    for rank in range(devices):
+        held = json.loads((sharded / f"shards-rank{rank}.json").read_text())
+        assert held["local"] == pytest.approx(held["total"] / shards, rel=0.01)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_loss_and_gradients(mode: str) -> None:
+    torch.manual_seed(0)
+    plain = LanguageModel(residual=MHAR, seq_len=32)
+    plain.configure_model()
+    checkpointed = LanguageModel(residual=MHAR, seq_len=32)
+    checkpointed.configure_model()
+    checkpointed.decoder.load_state_dict(plain.decoder.state_dict())
+    apply_activation_checkpointing(checkpointed.decoder, mode)
+    batch = torch.randint(0, 256, (2, 33))
+    for model in (plain, checkpointed):
+        model.loss(batch).backward()
+    assert list(checkpointed.decoder.state_dict()) == list(plain.decoder.state_dict())
+    for (name, a), b in zip(plain.decoder.named_parameters(), checkpointed.decoder.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_memory_plan_shards_states_and_checkpointing_saves_activations() -> None:
+    config = ModelConfig.preset("1b")
+    one, eight = memory_plan(config, 1, 4, 2048), memory_plan(config, 8, 4, 2048)
+    assert one.optimizer == 8 * config.num_params()  # AdamW: two fp32 moments
+    assert eight.optimizer == pytest.approx(one.optimizer / 8, rel=1e-6)
+    plans = [memory_plan(config, 8, 4, 2048, mode).activations for mode in ActivationCheckpointing]
+    assert plans[0] > plans[2] > plans[1]  # none > selective > full
+
+
+def test_sharded_random_init_draws_independent_shards(workdir: Path) -> None:
+    """Without `init_from`, each rank initialises its own shards: right std, and no rank repeats another's values."""
+    out = _run(workdir, "random-init", "--fsdp", "--devices", "2", "--batch", "4", "--untied", "--steps", "1")
+    state = torch.load(out / "gathered.pt", weights_only=True)
+    for name in ("decoder.embed.weight", "decoder.head.weight", "decoder.blocks.0.attn.q.weight"):
+        weight = state[name].float()
+        half = weight.shape[0] // 2
+        assert weight.std().item() == pytest.approx(0.02, rel=0.1), name
+        assert (weight[:half] - weight[half : 2 * half]).std().item() == pytest.approx(0.02 * 2**0.5, rel=0.1), name
