@@ -75,18 +75,18 @@ def draw_map(fig: Figure, ax, weights: np.ndarray, maps: DepthMaps, title: str, 
         fig.colorbar(image, ax=ax, label="depth-attention weight", fraction=0.06, pad=0.03)
 
 
-def depth_map_figure(maps: DepthMaps, head: int | None = None, title: str = "") -> Figure:
+def depth_map_figure(maps: DepthMaps, head: int | None = None, suffix: str = "") -> Figure:
     """One map: a single head's weights, or the head average when `head` is None."""
     weights = maps.mean_weights if head is None else maps.weights[:, head]
     which = f"mean over {maps.heads} heads" if head is None else f"head {head} of {maps.heads}"
     width, height = _map_size(maps)
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    fig.suptitle(f"Depth attention, {which}{title}", fontsize=11)
+    fig.suptitle(f"Depth attention, {which}{suffix}", fontsize=11)
     draw_map(fig, fig.add_subplot(), weights, maps, caption(maps, width))
     return fig
 
 
-def depth_grid_figure(maps: DepthMaps, title: str = "") -> Figure:
+def depth_grid_figure(maps: DepthMaps, suffix: str = "") -> Figure:
     """The head average followed by every head (one panel each) with one shared colour bar."""
     panels = [(maps.mean_weights, f"mean over {maps.heads} heads")]
     if maps.heads > 1:
@@ -101,7 +101,7 @@ def depth_grid_figure(maps: DepthMaps, title: str = "") -> Figure:
     for ax in axes.flat[len(panels) :]:
         ax.set_axis_off()
     fig.colorbar(axes.flat[0].images[0], ax=axes, label="depth-attention weight", fraction=0.03, pad=0.02)
-    fig.suptitle(f"Depth attention{title}\n{caption(maps, cols * width)}", fontsize=11)
+    fig.suptitle(f"Depth attention{suffix}\n{caption(maps, cols * width)}", fontsize=11)
     return fig
 
 
@@ -127,7 +127,7 @@ def site_bar_figure(
     return fig
 
 
-def disagreement_figure(maps: DepthMaps, title: str = "") -> Figure:
+def disagreement_figure(maps: DepthMaps, suffix: str = "") -> Figure:
     """Bars per site of the mean pairwise head JS divergence, from the captured weights and from the queries.
 
     The axis ends at 1.3x the largest value (at least 0.05, at most the 1-bit maximum) so early, small
@@ -137,5 +137,5 @@ def disagreement_figure(maps: DepthMaps, title: str = "") -> Figure:
     note = " (H = 1: heads cannot disagree, 0 by definition)" if maps.heads == 1 else f" between {maps.heads} heads"
     ymax = min(1.0, max(0.05, 1.3 * max(v.max() for v in values.values())))
     return site_bar_figure(
-        values, maps.site_labels, "mean pairwise JS divergence (bits)", f"Head disagreement{note}{title}", ymax
+        values, maps.site_labels, "mean pairwise JS divergence (bits)", f"Head disagreement{note}{suffix}", ymax
     )
