@@ -1,0 +1,242 @@
+"""The `mhar` command: Lightning CLI subcommands (fit, validate, test) plus the kit's tools (prepare, compare, ...)."""
+
+import importlib
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from jsonargparse import ArgumentParser
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+from mhar_lightning.data import TokenDataModule
+from mhar_lightning.module import LanguageModel
+
+TOOLS: dict[str, tuple[str, str, str]] = {
+    "prepare": ("mhar_lightning.data.prepare", "main", "Tokenize text files into checked token shards."),
+    "compare": (
+        "mhar_lightning.compare",
+        "main",
+        "Train one tiny model per residual strategy and tabulate the results.",
+    ),
+    "inspect": (
+        "mhar_lightning.inspect",
+        "main",
+        "Show where each routing site of a checkpoint reads from (depth-attention maps).",
+    ),
+    "convert-hf": (
+        "mhar_lightning.convert",
+        "main",
+        "Convert a local Hugging Face Llama checkpoint into any residual strategy.",
+    ),
+    "export-hf": (
+        "mhar_lightning.convert",
+        "export_main",
+        "Export a converted `sum` checkpoint to a Hugging Face Llama directory.",
+    ),
+    "consolidate": ("mhar_lightning.consolidate", "main", "Merge a sharded (FSDP) checkpoint into one file."),
+}
+"""Subcommands that are not Trainer methods: name -> (module, function taking argv, help)."""
+
+VOCAB_MULTIPLE = 64
+BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration that must not start training; the message names the fix."""
+
+
+def padded_vocab(tokenizer_vocab: int) -> int:
+    """Model vocabulary for a tokenizer: rounded up to a multiple of 64 for fast matmuls (50257 -> 50304)."""
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+class MharCLI(LightningCLI):
+    """`LightningCLI` for `LanguageModel` + `TokenDataModule` with the kit's trainer defaults and argument links.
+
+    Sequence length and vocabulary are set once, on the data (`data.seq_len`, `data.tokenizer`), and copied to
+    the model. Checkpoints go to `<default_root_dir>/checkpoints` (so `--ckpt_path last` finds them across
+    runs), TensorBoard logs to `<default_root_dir>/tensorboard`, and checkpoint files are written atomically.
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LanguageModel,
+            TokenDataModule,
+            trainer_defaults={
+                "use_distributed_sampler": False,
+                "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+            },
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse, first putting each recipe's `# base:` chain in front of it (see `with_recipe_bases`)."""
+        if isinstance(args, (list, tuple)) or args is None:
+            args = sys.argv[1:] if args is None else list(args)
+            for flag in (arg.partition("=")[0] for arg in args):
+                if flag in ("--model.vocab_size", "--model.seq_len"):
+                    raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
+            self.config = parser.parse_args(with_recipe_bases(args))
+        else:
+            super().parse_arguments(parser, args)
+        check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
+        """Also list the tools in `mhar --help` (they are dispatched by `main` before parsing)."""
+        super()._add_subcommands(parser, **kwargs)
+        for name, (_, _, help_text) in TOOLS.items():
+            parser._subcommands_action.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+        parser.link_arguments("data.seq_len", "model.seq_len")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=padded_vocab, apply_on="instantiate")
+
+    @property
+    def run_config(self):
+        """The parsed config of the running subcommand (the whole config when run=False)."""
+        return self.config.get(str(self.subcommand), self.config)
+
+    def before_instantiate_classes(self) -> None:
+        if self.run_config.checkpoint.dirpath is None:
+            self.run_config.checkpoint.dirpath = str(Path(self.root_dir) / "checkpoints")
+
+    def after_instantiate_classes(self) -> None:
+        check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
+
+    @property
+    def root_dir(self) -> str:
+        return self.run_config.trainer.default_root_dir or os.getcwd()
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Add the TensorBoard logger and the atomic checkpoint writer unless the config sets its own."""
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        if trainer_config.get("logger") in (None, True):
+            kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
+        plugins = trainer_config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def check_linked_fields(config) -> None:
+    """Refuse model fields that the data sets (checked on the user's config, before a checkpoint's are merged)."""
+    if config.model.get("vocab_size") is not None:
+        raise ConfigError(linked_field_error("vocab_size", config.model.vocab_size))
+    overrides = config.model.get("model_overrides") or {}
+    for field in ("vocab_size", "max_seq_len"):
+        if field in overrides:
+            raise ConfigError(linked_field_error(f"model_overrides.{field}", overrides[field]))
+
+
+def linked_field_error(field: str, value: object = None) -> str:
+    """One line saying that a model field comes from the data config, and what to set instead."""
+    given = "" if value is None else f"={value}"
+    if "vocab_size" in field:
+        return (
+            f"model.{field}{given} cannot be set: the vocabulary comes from data.tokenizer (rounded up to a multiple "
+            f"of {VOCAB_MULTIPLE}); remove it and choose the tokenizer with --data.tokenizer"
+        )
+    return f"model.{field}{given} cannot be set: the sequence length comes from data.seq_len; remove it and set --data.seq_len"
+
+
+def recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
+    """`path` preceded by its bases: a recipe names its base in a leading comment `# base: <relative path>`."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"recipe {path} inherits from itself: fix the '# base:' line")
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if match := BASE_DIRECTIVE.match(line):
+            base = path.parent / match.group(1)
+            if not base.is_file():
+                raise ConfigError(f"{path} names base {match.group(1)}, which does not exist: fix its '# base:' line")
+            return [*recipe_chain(base, (*seen, path)), path]
+    return [path]
+
+
+def with_recipe_bases(args: list[str]) -> list[str]:
+    """Expand every `--config recipe.yaml` into `--config base.yaml ... --config recipe.yaml`.
+
+    jsonargparse merges several `--config` files in order, so a recipe holds only what differs from its base.
+    """
+    expanded: list[str] = []
+    items = iter(args)
+    for arg in items:
+        flag, eq, value = arg.partition("=")
+        if flag not in ("-c", "--config"):
+            expanded.append(arg)
+            continue
+        value = value if eq else next(items, "")
+        if not Path(value).is_file():
+            expanded.extend([flag, value])
+            continue
+        for path in recipe_chain(Path(value)):
+            expanded.extend([flag, str(path)])
+    return expanded
+
+
+def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
+    """Refuse a checkpoint whose model vocabulary differs from the data's tokenizer (before any training)."""
+    if ckpt_path == "last":
+        candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+        ckpt_path = str(candidates[-1]) if candidates else None
+    if not ckpt_path or not Path(ckpt_path).is_file():
+        return
+    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+    vocab = checkpoint.get("hyper_parameters", {}).get("vocab_size")
+    trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
+        "tokenizer", "the tokenizer it was trained with"
+    )
+    if vocab is not None and vocab != padded_vocab(datamodule.vocab_size):
+        raise ConfigError(
+            f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
+            f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
+        )
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    """Run a non-Trainer subcommand; its module is imported only now, so `mhar --help` never depends on it."""
+    module_name, function, _ = TOOLS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and module_name.startswith(error.name):
+            raise SystemExit(f"mhar {name}: {module_name} is not available in this installation") from error
+        raise
+    return getattr(module, function)(argv) or 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `mhar` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in TOOLS:
+        raise SystemExit(run_tool(args[0], args[1:]))
+    try:
+        MharCLI(args=None if argv is None else args)
+    except ConfigError as error:
+        print(f"mhar: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

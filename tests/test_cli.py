@@ -1,0 +1,123 @@
+"""The `mhar` command end to end: artifacts of a short fit, config errors, refusals and crash-safe saving."""
+
+import base64
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_helpers import DEMO, fast_demo_args, scalars
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import mhar_lightning.checkpoint_io
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+from mhar_lightning.cli import MharCLI, main
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of `mhar <args>` (0 when it returns normally)."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def checkpoint_step(root: Path) -> int:
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+
+def test_fit_writes_checkpoint_tensorboard_events_and_config(tmp_path: Path) -> None:
+    cli = MharCLI(args=fast_demo_args(tmp_path, max_steps=3))
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert isinstance(cli.trainer.logger, TensorBoardLogger)
+    assert checkpoint_step(tmp_path) == 3
+    assert sorted(scalars(tmp_path, "train/loss")) == [0, 1, 2]
+    assert list((tmp_path / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
+    saved = yaml.safe_load((tmp_path / "tensorboard" / "version_0" / "config.yaml").read_text())
+    assert saved["model"]["residual"]["init_args"] == {"heads": 4, "blocks": None}
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp")), "no temporary checkpoint files are left behind"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "checkpoints" / "last.ckpt").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize(
+    "typo, key", [("trainer:\n  max_step: 3\n", "trainer.max_step"), ("model:\n  presett: tiny\n", "presett")]
+)
+def test_typo_in_config_key_fails_naming_the_key(tmp_path: Path, capsys, typo: str, key: str) -> None:
+    (tmp_path / "typo.yaml").write_text(typo)
+    code, _, err = run(["fit", "--config", str(DEMO), "--config", str(tmp_path / "typo.yaml")], capsys)
+    assert code != 0
+    assert key in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys) -> None:
+    (tmp_path / "vocab.yaml").write_text(f"model:\n  vocab_size: 100\ntrainer:\n  default_root_dir: {tmp_path}\n")
+    code, _, err = run(["fit", "--config", str(DEMO), "--config", str(tmp_path / "vocab.yaml")], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("mhar: error: model.vocab_size=100 cannot be set")
+    assert "--data.tokenizer" in err
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_resuming_with_another_tokenizer_is_refused_before_training(tmp_path: Path, capsys) -> None:
+    main(fast_demo_args(tmp_path, max_steps=2))
+    before = (tmp_path / "checkpoints" / "last.ckpt").stat().st_mtime_ns
+    ranks = tmp_path / "tiny.tiktoken"  # a 257-token BPE (256 bytes + one merge): model vocab 320, not 256
+    ranks.write_bytes(
+        b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256)) + base64.b64encode(b"ab") + b" 256\n"
+    )
+    code, _, err = run(
+        [*fast_demo_args(tmp_path, max_steps=4), "--data.tokenizer", str(ranks), "--ckpt_path", "last"], capsys
+    )
+    assert code == 2
+    assert "has a 256-token vocabulary" in err and "set --data.tokenizer byte" in err
+    assert (tmp_path / "checkpoints" / "last.ckpt").stat().st_mtime_ns == before
+    assert checkpoint_step(tmp_path) == 2
+
+
+def test_print_config_is_a_complete_reusable_config(tmp_path: Path, capsys) -> None:
+    code, printed, _ = run(["fit", "--config", str(DEMO), "--print_config"], capsys)
+    assert code == 0
+    config = yaml.safe_load(printed)
+    assert config["data"]["tokenizer"] == "byte" and config["checkpoint"]["save_last"] is True
+    assert config["trainer"]["use_distributed_sampler"] is False
+    (tmp_path / "printed.yaml").write_text(printed)
+    args = fast_demo_args(tmp_path / "run", max_steps=1)
+    args[args.index(str(DEMO))] = str(tmp_path / "printed.yaml")
+    main(args)
+    assert checkpoint_step(tmp_path / "run") == 1
+    hparams = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert hparams["vocab_size"] == 256 and hparams["residual"]["init_args"] == {"heads": 4, "blocks": None}
+
+
+def test_help_lists_trainer_subcommands_and_tools(capsys) -> None:
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for name in ("fit", "validate", "test", "prepare", "compare", "inspect", "convert-hf", "export-hf", "consolidate"):
+        assert f"    {name} " in out, name
+    code, out, _ = run(["prepare", "--help"], capsys)
+    assert code == 0 and "mhar prepare" in out
+
+
+def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    main(fast_demo_args(tmp_path, max_steps=2))
+    real_save = torch.save
+
+    def save_half_then_crash(obj, f) -> None:
+        real_save(obj, f)
+        f.seek(f.tell() // 2)
+        f.truncate()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mhar_lightning.checkpoint_io.torch, "save", save_half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        main([*fast_demo_args(tmp_path, max_steps=4), "--ckpt_path", "last"])
+    monkeypatch.undo()
+    assert checkpoint_step(tmp_path) == 2
+    assert not [name for name in os.listdir(tmp_path / "checkpoints") if name.endswith(".tmp")]

@@ -1,0 +1,96 @@
+"""`LanguageModel` against independent references: FLOPs formula, clipping, validation loss and perplexity."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mhar_lightning.data import TokenDataModule
+from mhar_lightning.module import LanguageModel
+
+MHAR = {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 2}}
+
+
+def tiny_model(**kwargs) -> LanguageModel:
+    torch.manual_seed(0)
+    model = LanguageModel(preset="tiny", residual=MHAR, vocab_size=256, seq_len=16, **kwargs)
+    model.configure_model()
+    return model
+
+
+def tiny_data() -> TokenDataModule:
+    return TokenDataModule(tokenizer="byte", seq_len=16, batch_size=4, val_samples=8)
+
+
+def trainer(tmp_path, **kwargs) -> L.Trainer:
+    """A quiet single-CPU trainer; `kwargs` override its settings."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(
+        **{
+            "accelerator": "cpu",
+            "devices": 1,
+            "use_distributed_sampler": False,
+            "default_root_dir": tmp_path,
+            **quiet,
+            **kwargs,
+        }
+    )
+
+
+def test_flops_per_batch_is_six_matmul_params_plus_attention() -> None:
+    model = tiny_model()
+    batch = torch.randint(0, 256, (3, 17))
+    model.training_step(batch, 0)
+    matmul_params = sum(m.weight.numel() for m in model.decoder.modules() if isinstance(m, nn.Linear))
+    cfg = model.model_config
+    per_token = 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * 16
+    assert model.flops_per_batch == per_token * 3 * 16
+
+
+def test_gradients_are_clipped_to_the_global_norm() -> None:
+    model = tiny_model(grad_clip=0.5)
+    params = list(model.decoder.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    model.on_before_optimizer_step(None)
+    assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])).item() == pytest.approx(0.5, rel=1e-5)
+
+
+def test_validation_loss_and_perplexity_match_full_logits(tmp_path) -> None:
+    model, data = tiny_model(), tiny_data()
+    metrics = trainer(tmp_path).validate(model, datamodule=data, verbose=False)[0]
+    data.setup("validate")
+    windows = torch.stack([data.val_dataset[i] for i in range(len(data.val_dataset))])
+    with torch.no_grad():
+        logits = model.decoder(windows[:, :-1])
+    want = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    assert metrics["val/loss"] == pytest.approx(want, rel=1e-5)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(want), rel=1e-5)
+
+
+def test_bf16_mixed_trains_with_fp32_weights(tmp_path) -> None:
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer(tmp_path, precision="bf16-mixed", max_steps=2, limit_val_batches=0).fit(model, datamodule=tiny_data())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert math.isfinite(float(model.trainer.callback_metrics["train/loss"]))
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_checkpoint_rebuilds_the_same_model(tmp_path) -> None:
+    model = tiny_model()
+    fit = trainer(tmp_path, max_steps=1, limit_val_batches=0)
+    fit.fit(model, datamodule=tiny_data())
+    fit.save_checkpoint(tmp_path / "m.ckpt")
+    loaded = LanguageModel.load_from_checkpoint(tmp_path / "m.ckpt")
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
+    assert type(loaded.residual) is type(model.residual) and loaded.residual.heads == 4

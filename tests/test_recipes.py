@@ -1,0 +1,101 @@
+"""Every recipe parses through its `# base:` chain and instantiates; big models are built on the meta device."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_helpers import REPO
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+
+from mhar_lightning.cli import MharCLI, recipe_chain
+from mhar_lightning.residual import MHAR, AttnRes, Residual, SumResidual
+
+RECIPES = REPO / "recipes"
+RUNNABLE = sorted(p for p in RECIPES.rglob("*.yaml") if p.name != "base.yaml" and not p.name.startswith("_"))
+LEAVES = [p for p in RUNNABLE if p.parent.name in ("pretrain", "sweeps")]
+EXPECTED_LEAVES = {
+    f"pretrain/{s}-{v}.yaml"
+    for s in ("100m", "350m", "1b")
+    for v in ("sum", "attnres", "mhar", "mhar-full", "attnres-full")
+}
+EXPECTED_LEAVES |= {f"sweeps/heads-{h}.yaml" for h in (1, 2, 4, 8, 16)}
+CPU_ONLY = (
+    []
+    if torch.cuda.is_available()
+    else ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true"]
+)
+
+
+def user_files(recipe: Path) -> list[str]:
+    """Overrides for files a user downloads first (a model's tokenizer file): the byte tokenizer stands in."""
+    tokenizer = None
+    for path in recipe_chain(recipe):
+        tokenizer = (yaml.safe_load(path.read_text()).get("data") or {}).get("tokenizer", tokenizer)
+    is_missing_file = tokenizer is not None and "/" in tokenizer and not Path(tokenizer).exists()
+    return ["--data.tokenizer", "byte"] if is_missing_file else []
+
+
+def instantiate(recipe: Path, tmp_path: Path) -> MharCLI:
+    """Model, data and trainer of `recipe`, as `mhar fit --config recipe` builds them, without running."""
+    args = ["--config", str(recipe), "--trainer.default_root_dir", str(tmp_path), *CPU_ONLY, *user_files(recipe)]
+    return MharCLI(args=args, run=False)
+
+
+def expected_residual(name: str) -> tuple[type, int, int | None]:
+    """(class, heads, blocks) that a recipe's file name promises."""
+    if name.startswith("heads-"):
+        return MHAR, int(name.removeprefix("heads-")), 8
+    variant = name.split("-", 1)[1]
+    return {
+        "sum": (SumResidual, 0, None),
+        "attnres": (AttnRes, 1, 8),
+        "attnres-full": (AttnRes, 1, None),
+        "mhar": (MHAR, 8, 8),
+        "mhar-full": (MHAR, 8, None),
+    }[variant]
+
+
+def test_every_variant_has_a_recipe() -> None:
+    assert {str(p.relative_to(RECIPES)) for p in LEAVES} == EXPECTED_LEAVES
+
+
+@pytest.mark.parametrize("recipe", LEAVES, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_leaf_recipes_hold_only_what_differs(recipe: Path) -> None:
+    config = yaml.safe_load(recipe.read_text())
+    assert config.keys() == {"trainer", "model"}
+    assert config["trainer"].keys() == {"default_root_dir"} and config["model"].keys() == {"residual"}
+    assert recipe_chain(recipe)[0] == (RECIPES / "base.yaml").resolve()
+
+
+@pytest.mark.parametrize("recipe", RUNNABLE, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
+    cli = instantiate(recipe, tmp_path)
+    model, data, trainer = cli.model, cli.datamodule, cli.trainer
+    callbacks = {type(c).__name__: c for c in trainer.callbacks}
+    assert {"DepthAttentionLogger", "HeadDisagreementProbe", "PeakMemoryMonitor"} <= callbacks.keys()
+    assert any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks)
+    assert any(isinstance(c, LearningRateMonitor) for c in trainer.callbacks)
+    assert isinstance(trainer.checkpoint_callback, ModelCheckpoint) and trainer.checkpoint_callback.save_last in (
+        True,
+        "link",
+    )
+    assert trainer.max_steps > 0
+    assert model.model_config.max_seq_len == data.seq_len
+    assert model.model_config.vocab_size >= data.vocab_size and model.model_config.vocab_size % 64 == 0
+
+    if recipe.name == "demo.yaml":
+        model.configure_model()
+        assert model.decoder.embed.weight.device.type == "cpu"
+        return
+    if recipe in LEAVES:
+        cls, heads, blocks = expected_residual(recipe.stem)
+        assert type(model.residual) is cls
+        if cls is not SumResidual:
+            assert (model.residual.heads, model.residual.blocks) == (heads, blocks)
+        assert model.hparams.preset == ("100m" if recipe.parent.name == "sweeps" else recipe.stem.split("-")[0])
+    with torch.device("meta"):
+        model.configure_model()
+    routing = sum(p.numel() for m in model.decoder.modules() if isinstance(m, Residual) for p in m.parameters())
+    assert sum(p.numel() for p in model.decoder.parameters()) - routing == model.model_config.num_params()
+    assert all(p.is_meta for p in model.decoder.parameters())

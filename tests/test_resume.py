@@ -1,0 +1,50 @@
+"""Exact resume through `mhar fit --ckpt_path last`: a stopped and resumed run equals an uninterrupted one.
+
+Each case trains N steps in one go, then separately trains the same config, stops it after k < N steps,
+resumes it from the checkpoint and continues to N. The per-step training losses after k (read back from
+TensorBoard) and the final weights must be identical, on one process and on two DDP processes (gloo, CPU).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import env_with_tests_on_path, fast_demo_args, final_weights, scalars
+
+from mhar_lightning.cli import main
+
+N, K = 8, 4
+STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", f"--trainer.callbacks.step={K}"]
+DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+
+
+def run_ddp(args: list[str]) -> None:
+    """`python -m mhar_lightning.cli` with 2 CPU processes; Lightning launches the second rank itself."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mhar_lightning.cli", *args, *DDP],
+        check=False, env=env_with_tests_on_path(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("launch", [main, run_ddp], ids=["single", "ddp-2"])
+def test_stop_and_resume_equals_uninterrupted(tmp_path: Path, launch) -> None:
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    launch(fast_demo_args(full, N))
+    launch(fast_demo_args(resumed, N) + STOP)
+    stopped_at = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert stopped_at == K
+    launch(fast_demo_args(resumed, N) + ["--ckpt_path", "last"])
+
+    reference = scalars(full, "train/loss")
+    after_resume = scalars(resumed, "train/loss", version=-1)
+    assert sorted(reference) == list(range(N))
+    assert sorted(after_resume) == list(range(K, N)), "the resumed run must start at step k"
+    assert after_resume == {step: reference[step] for step in range(K, N)}
+
+    want, got = final_weights(full), final_weights(resumed)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
