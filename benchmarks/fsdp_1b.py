@@ -73,7 +73,12 @@ class Meter(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         _sync()
         self.end = time.perf_counter()
-        record = {"step": trainer.global_step, "loss": outputs["loss"].item(), "seconds": self.end - self.start, "gap": self.gap}
+        record = {
+            "step": trainer.global_step,
+            "loss": outputs["loss"].item(),
+            "seconds": self.end - self.start,
+            "gap": self.gap,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -105,7 +110,9 @@ def main() -> None:
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
     )
-    checkpoint = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_at, save_top_k=-1, save_last="link")
+    checkpoint = ModelCheckpoint(
+        dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_at, save_top_k=-1, save_last="link"
+    )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,

@@ -12,9 +12,8 @@ import json
 
 import torch
 import triton
-from triton.testing import do_bench
-
 from mhar_lightning.kernels import depth_route, reference, triton_route
+from triton.testing import do_bench
 
 
 def copy_bandwidth(nbytes: int = 2**31) -> float:
@@ -66,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8 * 2048)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--compile-ref-s", type=int, default=9, help="time the compiled reference too at this S (mixed)")
+    parser.add_argument(
+        "--compile-ref-s", type=int, default=9, help="time the compiled reference too at this S (mixed)"
+    )
     parser.add_argument("--sources", default="2,5,9,25,49", help="numbers of sources S to time")
     args = parser.parse_args()
     bw = copy_bandwidth()

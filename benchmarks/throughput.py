@@ -80,13 +80,14 @@ def run(preset: str, variant: str, steps: int, warmup: int) -> dict:
     peak = torch.cuda.max_memory_allocated()
     tokens = BATCH[preset] * SEQ_LEN
     row = {
-        "preset": preset, "variant": variant, "batch": BATCH[preset], "step_s": statistics.median(times),
-        "tok_s": tokens / statistics.median(times), "peak_gib": peak / 2**30, "compile_s": compile_s,
+        "preset": preset,
+        "variant": variant,
+        "batch": BATCH[preset],
+        "step_s": statistics.median(times),
+        "tok_s": tokens / statistics.median(times),
+        "peak_gib": peak / 2**30,
+        "compile_s": compile_s,
     }
-    del model, opt, data, x, y
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch._dynamo.reset()
     return row
 
 
@@ -100,12 +101,18 @@ def main() -> None:
     args = parser.parse_args()
     allow_recompiles()
     torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}",
+        flush=True,
+    )
     rows = []
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
             row = run(preset, variant, args.steps, args.warmup)
+            gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:
@@ -114,8 +121,10 @@ def main() -> None:
     print(f"{'preset':>6} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} {'compile s':>9}")
     for r in rows:
         base = next((b for b in rows if b["preset"] == r["preset"] and b["variant"] == "sum"), r)
-        print(f"{r['preset']:>6} {r['variant']:>16} {r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
-              f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} {r['compile_s']:9.1f}")
+        print(
+            f"{r['preset']:>6} {r['variant']:>16} {r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
+            f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} {r['compile_s']:9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`DepthAttentionLogger`: where each routing site reads from, as TensorBoard heatmaps, scalars and raw `.npz`."""
 
 import lightning as L
-
 from mhar_lightning.callbacks.base import ProbeCallback, add_image, log_scalars, tensorboard
 from mhar_lightning.callbacks.plots import depth_map_figure, to_image
+
 from mhar_lightning.probe import DepthMaps, tag_name
 
 

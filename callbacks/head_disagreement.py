@@ -2,9 +2,9 @@
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-
 from mhar_lightning.callbacks.base import ProbeCallback, add_image, log_scalars, tensorboard
 from mhar_lightning.callbacks.plots import disagreement_figure, to_image
+
 from mhar_lightning.probe import DepthMaps, tag_name
 
 

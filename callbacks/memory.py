@@ -4,7 +4,6 @@ from typing import Any
 
 import lightning as L
 import torch
-
 from mhar_lightning.callbacks.base import log_scalars
 
 GIB = 2**30

@@ -10,9 +10,8 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
-from torch import Tensor
-
 from mhar_lightning.kernels import reference
+from torch import Tensor
 
 BACKENDS = ("auto", "triton", "reference")
 ENV_BACKEND = "MHAR_ROUTE_BACKEND"

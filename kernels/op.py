@@ -14,10 +14,9 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
-
 from mhar_lightning.kernels import triton_route
 from mhar_lightning.kernels.reference import check_heads
+from torch import Tensor
 
 
 def _folded(query: Tensor, norm_weight: Tensor) -> Tensor:
@@ -39,8 +38,14 @@ def _route_fake(sources, query, norm_weight, heads, eps):
 
 @torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
 def route_backward(
-    grad_out: Tensor, out: Tensor, lse: Tensor, sources: list[Tensor], query: Tensor, norm_weight: Tensor,
-    heads: int, eps: float,
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    sources: list[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float,
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}, d query, d norm_weight]."""
     grads, du = triton_route.route_backward(grad_out, out, lse, sources, _folded(query, norm_weight), heads, eps)

@@ -14,7 +14,9 @@ def check_heads(d_model: int, heads: int) -> None:
         raise ValueError(f"heads={heads} must divide d_model={d_model}; use one of {divisors}")
 
 
-def depth_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+def depth_logits(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> Tensor:
     """Per-head routing logits, shaped [..., heads, len(sources)], in fp32 (fp64 for fp64 sources).
 
     The RMS is taken over the full width in fp32 without an fp32 copy of the source, so autograd
@@ -36,7 +38,9 @@ def depth_logits(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, 
     return torch.stack(logits, dim=-1)
 
 
-def depth_weights(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+def depth_weights(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> Tensor:
     """The softmax over depth, per head: [..., heads, len(sources)]."""
     return torch.softmax(depth_logits(sources, query, norm_weight, heads, eps), dim=-1)
 

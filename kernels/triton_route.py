@@ -88,8 +88,23 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    table, S, u_ptr, out_ptr, gout_ptr, lse_ptr, du_ptr, M, M1, D, H, DH, eps,
-    BH: tl.constexpr, BDH: tl.constexpr, ALIGN: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    table,
+    S,
+    u_ptr,
+    out_ptr,
+    gout_ptr,
+    lse_ptr,
+    du_ptr,
+    M,
+    M1,
+    D,
+    H,
+    DH,
+    eps,
+    BH: tl.constexpr,
+    BDH: tl.constexpr,
+    ALIGN: tl.constexpr,
+    EXACT_DELTA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.arange(0, BH)
@@ -206,14 +221,32 @@ def route_forward(
     bh, bdh, warps = _launch_shape(d, heads, 8)  # one 16-byte vector of bf16 per thread
     if rows:
         _forward_kernel[(rows,)](
-            table, len(sources), u.contiguous(), out, lse, views[0].shape[1], d, heads, d // heads, eps,
-            BH=bh, BDH=bdh, ALIGN=aligned and (d // heads) % 8 == 0, num_warps=warps,
+            table,
+            len(sources),
+            u.contiguous(),
+            out,
+            lse,
+            views[0].shape[1],
+            d,
+            heads,
+            d // heads,
+            eps,
+            BH=bh,
+            BDH=bdh,
+            ALIGN=aligned and (d // heads) % 8 == 0,
+            num_warps=warps,
         )
     return out, lse
 
 
 def route_backward(
-    grad_out: Tensor, out: Tensor, lse: Tensor, sources: Sequence[Tensor], u: Tensor, heads: int, eps: float,
+    grad_out: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    sources: Sequence[Tensor],
+    u: Tensor,
+    heads: int,
+    eps: float,
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route: one per source (its dtype, contiguous) and du = dL/d(query * norm_weight).
@@ -235,9 +268,23 @@ def route_backward(
     du = torch.empty(programs, d, dtype=torch.float32, device=u.device)
     bh, bdh, warps = _launch_shape(d, heads, 4)  # more live tiles: halve the registers per thread
     _backward_kernel[(programs,)](
-        table, len(sources), u.contiguous(), out.contiguous(), grad_out.contiguous(), lse.contiguous(),
-        du, rows, views[0].shape[1], d, heads, d // heads, eps,
-        BH=bh, BDH=bdh, ALIGN=aligned and (d // heads) % 8 == 0, EXACT_DELTA=out.dtype != torch.float32,
+        table,
+        len(sources),
+        u.contiguous(),
+        out.contiguous(),
+        grad_out.contiguous(),
+        lse.contiguous(),
+        du,
+        rows,
+        views[0].shape[1],
+        d,
+        heads,
+        d // heads,
+        eps,
+        BH=bh,
+        BDH=bdh,
+        ALIGN=aligned and (d // heads) % 8 == 0,
+        EXACT_DELTA=out.dtype != torch.float32,
         num_warps=warps,
     )
     return list(grads), du.sum(0)

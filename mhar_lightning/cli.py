@@ -155,7 +155,10 @@ def linked_field_error(field: str, value: object = None) -> str:
             f"model.{field}{given} cannot be set: the vocabulary comes from data.tokenizer (rounded up to a multiple "
             f"of {VOCAB_MULTIPLE}); remove it and choose the tokenizer with --data.tokenizer"
         )
-    return f"model.{field}{given} cannot be set: the sequence length comes from data.seq_len; remove it and set --data.seq_len"
+    return (
+        f"model.{field}{given} cannot be set: the sequence length comes from data.seq_len;"
+        " remove it and set --data.seq_len"
+    )
 
 
 def recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:

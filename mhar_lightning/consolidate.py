@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mhar consolidate", description=__doc__.splitlines()[0])
     parser.add_argument("sharded_dir", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out", help="the single-file checkpoint to write (e.g. model.ckpt)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved, fp32)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved, fp32)"
+    )
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.sharded_dir, args.out, getattr(torch, args.dtype) if args.dtype else None)

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if int(tokens.max()) >= model.model_config.vocab_size:
             raise ValueError(
-                f"tokenizer {tokenizer!r} yields ids beyond the model's {model.model_config.vocab_size}-token vocabulary"
+                f"tokenizer {tokenizer!r} yields ids beyond the model's"
+                f" {model.model_config.vocab_size}-token vocabulary"
             )
     except (OSError, ValueError) as error:
         err.print(f"mhar inspect: {error}", style="red", markup=False)

@@ -82,7 +82,9 @@ class LanguageModel(L.LightningModule):
             overrides["max_seq_len"] = seq_len
         self.model_config = ModelConfig.preset(preset, **overrides)
         self.residual = make_residual(residual)
-        self.optimizer_config = OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
+        self.optimizer_config = (
+            OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
+        )
         self.grad_clip = grad_clip
         self.loss_chunk_tokens = loss_chunk_tokens
         self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)

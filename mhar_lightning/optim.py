@@ -75,7 +75,9 @@ def lr_factor(step: int, total_steps: int, config: OptimizerConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `parameter_groups` with a per-step `LambdaLR` schedule."""
     fused = all(p.is_cuda for p in model.parameters())
     optimizer = torch.optim.AdamW(

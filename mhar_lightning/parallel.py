@@ -54,7 +54,9 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _checkpointed(forward: Callable, selective: bool) -> Callable:
     """`forward` run under non-reentrant activation checkpointing (the module keeps its parameter names)."""
-    kwargs = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} if selective else {}
+    kwargs = (
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)} if selective else {}
+    )
 
     @functools.wraps(forward)
     def run(*args):

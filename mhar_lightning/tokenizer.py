@@ -2,7 +2,8 @@
 
 ``load_tokenizer`` accepts ``byte``, ``gpt2`` (alias of ``r50k_base``), ``cl100k_base``, a path to a
 ``.tiktoken`` rank file, or the ``tokenizer.model`` of a Llama 3 checkpoint (a tiktoken rank file of 128,000
-ranks, recognised by that count and given Llama 3's pattern and 256 special tokens: vocab 128,256). Rank files for the named encodings are looked up, in order, in
+ranks, recognised by that count and given Llama 3's pattern and 256 special tokens: vocab 128,256).
+Rank files for the named encodings are looked up, in order, in
 
 1. ``$MHAR_TIKTOKEN_DIR/<name>.tiktoken``;
 2. tiktoken's own download cache (``$TIKTOKEN_CACHE_DIR``, ``$DATA_GYM_CACHE_DIR`` or ``<tmp>/data-gym-cache``);

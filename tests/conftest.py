@@ -1,9 +1,32 @@
-"""Test setup: run Triton kernels in the CPU interpreter when no GPU is present."""
+"""Test setup: Triton kernels in the CPU interpreter when no GPU is present; every test offline and cache-free."""
 
 import os
+import socket
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@pytest.fixture(autouse=True)
+def offline_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point MHAR/tiktoken cache variables at empty temp folders and make any network connection fail."""
+    root = tmp_path_factory.mktemp("env")
+    for var in ("MHAR_CACHE_DIR", "TIKTOKEN_CACHE_DIR", "MHAR_TIKTOKEN_DIR"):
+        monkeypatch.setenv(var, str(root / var.lower()))
+    monkeypatch.delenv("DATA_GYM_CACHE_DIR", raising=False)
+
+    connect = socket.socket.connect
+
+    def guarded_connect(sock: socket.socket, address: object) -> None:
+        internet = sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in LOOPBACK
+        if internet:  # Unix sockets and loopback (dataloader workers, gloo rendezvous) stay usable
+            raise AssertionError(f"a test tried to open a network connection to {address}")
+        connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)

@@ -57,7 +57,9 @@ def run_ranks(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for var in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def losses(out: Path, rank: int) -> dict[int, float]:

@@ -1,7 +1,10 @@
-"""A tiny training run for the multi-process tests: `python tests/fsdp_run.py --out DIR ...` (Lightning starts the ranks).
+"""A tiny training run for the multi-process tests: `python tests/fsdp_run.py --out DIR ...`.
+
+Lightning starts the other ranks.
 
 Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-rank{r}.json` (local vs global
-parameter elements) and, at the end, the all-gathered weights to `OUT/gathered.pt`. `--kill-at` ends every rank abruptly after that step, as a pre-emption would.
+parameter elements) and, at the end, the all-gathered weights to `OUT/gathered.pt`. `--kill-at` ends every
+rank abruptly after that step, as a pre-emption would.
 """
 
 import argparse
@@ -54,10 +57,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--init", help="converted checkpoint directory with the initial weights (default: random init)")
-    parser.add_argument("--residual", default='{"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}')
+    parser.add_argument(
+        "--residual", default='{"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}'
+    )
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--fsdp", action="store_true")
-    parser.add_argument("--replicas", type=int, default=1, help="HSDP replica groups (ModelParallelStrategy's data_parallel_size)")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="HSDP replica groups (ModelParallelStrategy's data_parallel_size)"
+    )
     parser.add_argument("--batch", type=int, default=4, help="per rank")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ckpt-every", type=int, default=0)
@@ -79,12 +86,25 @@ def main() -> None:
         activation_checkpointing=args.activation_checkpointing,
         param_dtype="float32",
     )
-    data = TokenDataModule(args.data, tokenizer="byte", seq_len=32, batch_size=args.batch, samples_per_epoch=512,
-                           val_samples=None, verify_checksums=False)
+    data = TokenDataModule(
+        args.data,
+        tokenizer="byte",
+        seq_len=32,
+        batch_size=args.batch,
+        samples_per_epoch=512,
+        val_samples=None,
+        verify_checksums=False,
+    )
     callbacks = [Record(args.out, args.kill_at), SameWorldSize()]
     if args.ckpt_every:
-        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link"))
-    strategy = ModelParallelStrategy(data_parallel_size=args.replicas, tensor_parallel_size=args.devices // args.replicas) if args.fsdp else "auto"
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link")
+        )
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=args.replicas, tensor_parallel_size=args.devices // args.replicas)
+        if args.fsdp
+        else "auto"
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -1,4 +1,4 @@
-"""Shared by the depth-attention callback and inspect tests: a small prepared corpus, a short demo fit, a fake trainer."""
+"""Shared by the depth-attention and inspect tests: a small prepared corpus, a short demo fit, a fake trainer."""
 
 import contextlib
 from pathlib import Path

@@ -5,12 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_helpers import offline_env  # noqa: F401 - autouse fixture
 from lightning.pytorch.loggers import TensorBoardLogger
-from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, scalar, small_corpus
-
 from mhar_lightning.callbacks import DepthAttentionLogger
 from mhar_lightning.callbacks.plots import CMAP, NORM, depth_map_figure, to_image
+from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, scalar, small_corpus
+
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from probe_helpers import events, fake_trainer, scalar
-
 from mhar_lightning.callbacks import HeadDisagreementProbe
 from mhar_lightning.callbacks.plots import disagreement_figure, to_image
+from probe_helpers import events, fake_trainer, scalar
+
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import run_probe
 

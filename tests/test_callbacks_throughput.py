@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from mhar_lightning.callbacks import PeakMemoryMonitor, TokenThroughputMonitor
 from mhar_lightning.callbacks.throughput import batch_rows, batch_tokens, h200_peak
 

@@ -14,7 +14,16 @@ from mhar_lightning.module import LanguageModel
 def test_consolidated_weights_equal_gathered_shards(tmp_path: Path) -> None:
     _, init = converted_init(tmp_path, MHAR, tie=True)
     out = tmp_path / "run"
-    args = ["--out", str(out), "--data", str(tiny_corpus(tmp_path)), "--init", str(init), "--residual", json.dumps(MHAR)]
+    args = [
+        "--out",
+        str(out),
+        "--data",
+        str(tiny_corpus(tmp_path)),
+        "--init",
+        str(init),
+        "--residual",
+        json.dumps(MHAR),
+    ]
     result = run_ranks(*args, "--fsdp", "--devices", "2", "--steps", "4", "--ckpt-every", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     sharded = out / "ckpt" / "last.ckpt"

@@ -12,7 +12,7 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from mhar_lightning.convert import (
+from mhar_lightning.convert import (  # noqa: E402 - after HF_HUB_OFFLINE is set
     ConversionError,
     converted_state_dict,
     export_hf,
@@ -24,7 +24,7 @@ from mhar_lightning.convert import (
     main,
     save_converted,
 )
-from mhar_lightning.model import Decoder
+from mhar_lightning.model import Decoder  # noqa: E402
 
 SHAPE = {
     "hidden_size": 64,

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from data_helpers import offline_env  # noqa: F401 - autouse fixture
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mhar_lightning.data import ShardError, TokenDataModule

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from data_helpers import offline_env, split_documents  # noqa: F401 - offline_env is an autouse fixture
+from data_helpers import split_documents
 
 from mhar_lightning.data import corpus
 from mhar_lightning.data.prepare import discover, main, prepare_files

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import offline_env, split_documents  # noqa: F401 - offline_env is an autouse fixture
+from data_helpers import split_documents
 
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.data.shards import INDEX_FILE, ShardError, ShardIndex, TokenStream

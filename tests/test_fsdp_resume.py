@@ -33,6 +33,8 @@ def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
         reference = losses(uninterrupted, rank)
         assert after == {step: reference[step] for step in after}  # bit-exact: weights, optimizer, schedule, data
 
-    other = run_ranks(*args(tmp_path / "other", 1, "--ckpt-every", str(CKPT_EVERY), "--resume", str(run / "ckpt" / "last.ckpt")))
+    other = run_ranks(
+        *args(tmp_path / "other", 1, "--ckpt-every", str(CKPT_EVERY), "--resume", str(run / "ckpt" / "last.ckpt"))
+    )
     assert other.returncode != 0
     assert "written by 2 ranks and this run has 1: resume with 2 ranks" in other.stderr

@@ -6,7 +6,6 @@ import lightning
 import matplotlib.image
 import pytest
 import torch
-from data_helpers import offline_env  # noqa: F401 - autouse fixture
 from probe_helpers import demo_fit, small_corpus
 
 from mhar_lightning.inspect import main

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.utils.checkpoint
-
 from mhar_lightning.kernels import ENV_BACKEND, depth_route, op, reference, resolve_backend, triton_route
 
 CUDA = torch.cuda.is_available()

@@ -14,7 +14,9 @@ def complex_rope(x, theta):
     t, hd = x.shape[-2], x.shape[-1]
     half = hd // 2
     freqs = theta ** (-torch.arange(half, dtype=torch.float64) / half)
-    phase = torch.polar(torch.ones(t, half, dtype=torch.float64), torch.outer(torch.arange(t, dtype=torch.float64), freqs))
+    phase = torch.polar(
+        torch.ones(t, half, dtype=torch.float64), torch.outer(torch.arange(t, dtype=torch.float64), freqs)
+    )
     z = torch.complex(x[..., :half], x[..., half:]) * phase
     return torch.cat([z.real, z.imag], dim=-1)
 

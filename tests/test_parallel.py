@@ -28,7 +28,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(workdir: Path, name: str, *args: str) -> Path:
     out = workdir / name
-    result = run_ranks("--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args)  # a later --steps wins
+    result = run_ranks(
+        "--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args
+    )  # a later --steps wins
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -48,15 +50,27 @@ def _mean_losses(out: Path, ranks: int) -> list[float]:
     ],
     ids=["fsdp2-mhar-tied", "fsdp2-delta-untied", "hsdp-2x2"],
 )
-def test_sharded_losses_match_one_process(workdir: Path, residual: dict, tie: bool, checkpointing: str, replicas: int, devices: int) -> None:
+def test_sharded_losses_match_one_process(
+    workdir: Path, residual: dict, tie: bool, checkpointing: str, replicas: int, devices: int
+) -> None:
     """Per-step losses (mean over ranks) equal the single-process run's; every rank holds 1/shards of the model."""
     _, init = converted_init(workdir, residual, tie=tie)
     tag = init.name
     common = ["--init", str(init), "--residual", json.dumps(residual), *([] if tie else ["--untied"])]
     single = _run(workdir, f"single-{tag}", *common, "--devices", "1", "--batch", str(GLOBAL_BATCH))
     sharded = _run(
-        workdir, f"sharded-{tag}-{devices}", *common, "--fsdp", "--devices", str(devices), "--replicas", str(replicas),
-        "--batch", str(GLOBAL_BATCH // devices), "--activation-checkpointing", checkpointing,
+        workdir,
+        f"sharded-{tag}-{devices}",
+        *common,
+        "--fsdp",
+        "--devices",
+        str(devices),
+        "--replicas",
+        str(replicas),
+        "--batch",
+        str(GLOBAL_BATCH // devices),
+        "--activation-checkpointing",
+        checkpointing,
     )
     reference, got = _mean_losses(single, 1), _mean_losses(sharded, devices)
     assert reference[-1] < reference[0] - 0.3  # it trains

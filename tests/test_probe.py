@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_residual import randomize_routing
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
@@ -13,14 +14,6 @@ from mhar_lightning.residual import MHAR, DeltaMHAR
 from mhar_lightning.residual.routed import capture_depth_attention
 
 TINY = ModelConfig.preset("tiny")
-
-
-def randomize_routing(model: Decoder, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "residual" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
 
 
 def kl_bits(p: np.ndarray, q: np.ndarray) -> float:

@@ -63,9 +63,13 @@ def test_pretrain_1b_recipe_is_sharded_block_mhar() -> None:
     assert isinstance(module.residual, MHAR) and (module.residual.heads, module.residual.blocks) == (8, 8)
 
 
-@pytest.mark.parametrize(("recipe", "world", "batch", "seq", "limit_gib"), [("pretrain-1b", 8, 4, 2048, 40), ("midtrain-8b", 8, 1, 4096, 80)])
+@pytest.mark.parametrize(
+    ("recipe", "world", "batch", "seq", "limit_gib"), [("pretrain-1b", 8, 4, 2048, 40), ("midtrain-8b", 8, 1, 4096, 80)]
+)
 def test_memory_plan_fits_an_80gb_gpu(recipe: str, world: int, batch: int, seq: int, limit_gib: float) -> None:
     module = meta_model(RECIPES / f"{recipe}.yaml")
     routing = routing_parameter_count(module.model_config, module.residual)
-    plan = memory_plan(module.model_config, world, batch, seq, module.activation_checkpointing, routing, stream_tensors=2)
+    plan = memory_plan(
+        module.model_config, world, batch, seq, module.activation_checkpointing, routing, stream_tensors=2
+    )
     assert plan.total / 2**30 < limit_gib

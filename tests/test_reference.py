@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from mhar_lightning.kernels import depth_route
 from mhar_lightning.kernels.reference import depth_weights
 

@@ -100,7 +100,10 @@ def test_block_bookkeeping_follows_design():
 
     expected = {0: [emb], 1: [emb, y[0]], 2: [emb, block_sum(0, 1)], 3: [emb, block_sum(0, 2)]}
     expected |= {4: [emb, block_sum(0, 3)], 5: [emb, block_sum(0, 3), y[4]], 7: [emb, block_sum(0, 3), block_sum(4, 6)]}
-    expected |= {8: [emb, block_sum(0, 3), block_sum(4, 7)], 11: [emb, block_sum(0, 3), block_sum(4, 7), block_sum(8, 10)]}
+    expected |= {
+        8: [emb, block_sum(0, 3), block_sum(4, 7)],
+        11: [emb, block_sum(0, 3), block_sum(4, 7), block_sum(8, 10)],
+    }
     expected |= {12: [emb, block_sum(0, 3), block_sum(4, 7), block_sum(8, 11)]}
     for l, sources in expected.items():
         assert len(seen[l]) == len(sources), f"sublayer {l}"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import tiktoken
-from data_helpers import offline_env  # noqa: F401 - autouse fixture
 
 from mhar_lightning import tokenizer as tokenizer_module
 from mhar_lightning.tokenizer import load_tokenizer
