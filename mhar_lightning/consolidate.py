@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
 
+from mhar_lightning.dtypes import DTYPES
+
 META_FILE = "meta.pt"  # written by Lightning's ModelParallelStrategy next to the shards
 MODEL_KEY = "state_dict"
 
@@ -46,12 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mhar consolidate", description=__doc__.splitlines()[0])
     parser.add_argument("sharded_dir", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out", help="the single-file checkpoint to write (e.g. model.ckpt)")
-    parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved, fp32)"
-    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: as saved, fp32)")
     args = parser.parse_args(argv)
     try:
-        out = consolidate(args.sharded_dir, args.out, getattr(torch, args.dtype) if args.dtype else None)
+        out = consolidate(args.sharded_dir, args.out, DTYPES.get(args.dtype))
     except FileNotFoundError as error:
         parser.error(str(error))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert import converted_state_dict
+from mhar_lightning.dtypes import dtype_from_name
 from mhar_lightning.loss import chunked_cross_entropy
 from mhar_lightning.model import Decoder
 from mhar_lightning.optim import OptimizerConfig, build_optimizer
@@ -23,19 +24,11 @@ from mhar_lightning.parallel import (
     apply_fsdp,
     compile_blocks,
     fsdp_mesh,
+    full_tensor,
     materialize,
 )
 from mhar_lightning.residual import Residual, make_residual
 from mhar_lightning.resume import SameWorldSize
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _dtype(name: str) -> torch.dtype:
-    """`torch.bfloat16` from `"bfloat16"` (config files name dtypes as strings)."""
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 class LanguageModel(L.LightningModule):
@@ -90,7 +83,7 @@ class LanguageModel(L.LightningModule):
         self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
         self.compile_blocks = compile
         self.init_from = init_from
-        self.param_dtype, self.reduce_dtype = _dtype(param_dtype), _dtype(reduce_dtype)
+        self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
         self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
@@ -184,7 +177,7 @@ class LanguageModel(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.decoder.parameters(), self.grad_clip)
-            self.log("train/grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self.log("train/grad_norm", full_tensor(norm))
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""

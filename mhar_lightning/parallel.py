@@ -148,6 +148,11 @@ def materialize(decoder: Decoder, device: torch.device | str, mesh: DeviceMesh |
         decoder.init_weights()
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered if FSDP2 shards it as a DTensor (a collective: call it on every rank)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def unsharded_parameter_count(decoder: nn.Module) -> int:
     """Parameters of the whole model (global shapes, shared weights once), sharded or not."""
     return sum(p.numel() for p in {id(p): p for p in decoder.parameters()}.values())

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mhar_lightning.parallel import full_tensor
 from mhar_lightning.residual.delta import DeltaMHAR
 from mhar_lightning.residual.routed import MHAR, DepthRouter, capture_depth_attention
 
@@ -192,15 +193,10 @@ class DepthMaps:
             )
 
 
-def _full(param: Tensor) -> Tensor:
-    """The whole parameter (gathered if FSDP2 shards it as a DTensor; a collective, so call it on every rank)."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
 def query_weights(router: DepthRouter, l: int, mean_keys: Tensor) -> Tensor:
     """[heads, sources]: softmax over depth of each head's query chunk (key gain folded in) against `mean_keys`."""
     j = router.site(l)
-    u = (_full(router.query)[j].float() * _full(router.key_norm)[j].float()).cpu()
+    u = (full_tensor(router.query)[j].float() * full_tensor(router.key_norm)[j].float()).cpu()
     chunks = u.view(router.heads, -1)
     keys = mean_keys.view(mean_keys.shape[0], router.heads, -1)
     return torch.softmax(torch.einsum("nhc,hc->hn", keys, chunks), dim=-1)
@@ -248,7 +244,9 @@ def run_probe(model: nn.Module, tokens: Tensor, reduce: Reduce | None = None) ->
     reduced = _reduce_together(stats, reduce)
     weights, mean_keys = reduced[:n], reduced[n:]
     from_queries = [query_weights(by_site[l], l, k) for l, k in zip(layout.sites, mean_keys)]
-    gates = [_full(r.gate).detach().float().cpu() for r in routers if isinstance(r, DeltaMHAR) and hasattr(r, "gate")]
+    gates = [
+        full_tensor(r.gate).detach().float().cpu() for r in routers if isinstance(r, DeltaMHAR) and hasattr(r, "gate")
+    ]
     return DepthMaps(
         sites=layout.sites,
         site_labels=layout.site_labels,

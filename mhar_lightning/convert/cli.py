@@ -4,14 +4,12 @@ import argparse
 import logging
 import sys
 
-import torch
-
 from mhar_lightning.convert.checkpoint import save_converted
 from mhar_lightning.convert.export import export_hf
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
+from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.residual import RESIDUALS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESIDUAL_FLAGS = ("heads", "block_size", "blocks")
 
 
