@@ -118,6 +118,15 @@ class MharCLI(LightningCLI):
         if self.run_config.checkpoint.dirpath is None:
             self.run_config.checkpoint.dirpath = str(Path(self.root_dir) / "checkpoints")
 
+    def instantiate_classes(self) -> None:
+        """Build model, data and trainer; an argument they refuse (ValueError) becomes a one-line config error."""
+        try:
+            super().instantiate_classes()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+
     def after_instantiate_classes(self) -> None:
         check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
 

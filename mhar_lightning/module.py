@@ -75,6 +75,8 @@ class LanguageModel(L.LightningModule):
             overrides["max_seq_len"] = seq_len
         self.model_config = ModelConfig.preset(preset, **overrides)
         self.residual = make_residual(residual)
+        with torch.device("meta"):  # a strategy that does not fit the model fails here, not mid-fit
+            self.residual.spawn(self.model_config, range(2))
         self.optimizer_config = (
             OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         )

@@ -65,6 +65,23 @@ def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "tensorboard").exists()
 
 
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--model.residual.heads", "3", "heads=3 must divide d_model=64"),
+        ("--model.residual", "mhra", "unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"),
+        ("--model.preset", "2b", "unknown model preset '2b'"),
+    ],
+)
+def test_a_model_argument_that_does_not_fit_is_one_line(tmp_path: Path, capsys, flag, value, message) -> None:
+    args = ["fit", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), flag, value]
+    code, _, err = run(args, capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("mhar: error: ") and message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_resuming_with_another_tokenizer_is_refused_before_training(tmp_path: Path, capsys) -> None:
     main(fast_demo_args(tmp_path, max_steps=2))
     before = (tmp_path / "checkpoints" / "last.ckpt").stat().st_mtime_ns
