@@ -5,7 +5,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning as L
+import torch
 from cli_helpers import fast_demo_args
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -79,3 +82,13 @@ def fake_trainer(log_dir: Path, batch: Tensor, rank: int = 0, world_size: int = 
 def scalar(accumulator: EventAccumulator, tag: str) -> float:
     """The last value of a scalar tag."""
     return accumulator.Scalars(tag)[-1].value
+
+
+def log_at_train_end(tmp_path: Path, model: L.LightningModule, callback: L.Callback) -> EventAccumulator:
+    """Run `callback`'s end-of-training probe once into a real TensorBoard log and read the events back."""
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer = fake_trainer(logger.log_dir, torch.randint(0, 256, (2, 9)), loggers=[logger])
+    callback.setup(trainer, model, "fit")
+    callback.on_train_end(trainer, model)
+    logger.finalize("success")
+    return events(Path(logger.log_dir))

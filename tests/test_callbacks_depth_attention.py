@@ -5,10 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from mhar_lightning.callbacks import DepthAttentionLogger
 from mhar_lightning.callbacks.plots import CMAP, NORM, depth_map_figure, to_image
-from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, scalar, small_corpus
+from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, log_at_train_end, scalar, small_corpus
 
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps
@@ -43,13 +42,7 @@ def test_delta_gates_are_logged_as_scalars_and_histogram(tmp_path):
     with torch.no_grad():
         for i, block in enumerate(model.decoder.blocks):
             block.residual.gate.copy_(gates[2 * i : 2 * i + 2])
-    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = fake_trainer(logger.log_dir, torch.randint(0, 256, (2, 9)), loggers=[logger])
-    callback = DepthAttentionLogger()
-    callback.setup(trainer, model, "fit")
-    callback.on_train_end(trainer, model)
-    logger.finalize("success")
-    accumulator = events(Path(logger.log_dir))
+    accumulator = log_at_train_end(tmp_path, model, DepthAttentionLogger())
     assert {"depth_attention/head_0", "depth_attention/head_1", "depth_attention/mean"} <= set(
         accumulator.Tags()["images"]
     )

@@ -5,23 +5,12 @@ import logging
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from mhar_lightning.callbacks import HeadDisagreementProbe
 from mhar_lightning.callbacks.plots import disagreement_figure, to_image
-from probe_helpers import events, fake_trainer, scalar
+from probe_helpers import log_at_train_end, scalar
 
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import run_probe
-
-
-def probe_once(tmp_path, model: LanguageModel):
-    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = fake_trainer(logger.log_dir, torch.randint(0, 256, (2, 9)), loggers=[logger])
-    callback = HeadDisagreementProbe()
-    callback.setup(trainer, model, "fit")
-    callback.on_train_end(trainer, model)
-    logger.finalize("success")
-    return events(logger.log_dir)
 
 
 def test_opposed_heads_disagree_by_one_bit_and_identical_heads_by_zero(tmp_path):
@@ -33,7 +22,7 @@ def test_opposed_heads_disagree_by_one_bit_and_identical_heads_by_zero(tmp_path)
         model.decoder.embed.weight.fill_(1.0)
         model.decoder.blocks[0].residual.query[1, :half] = 20.0
         model.decoder.blocks[0].residual.query[1, half:] = -20.0
-    accumulator = probe_once(tmp_path, model)
+    accumulator = log_at_train_end(tmp_path, model, HeadDisagreementProbe())
     assert scalar(accumulator, "head_js/mlp_0") == pytest.approx(1.0, abs=0.02)
     assert scalar(accumulator, "head_js_query/mlp_0") == pytest.approx(1.0, abs=0.02)
     for site in ("attn_0", "attn_1", "mlp_3", "final"):  # zero queries elsewhere: every head uniform
@@ -49,7 +38,7 @@ def test_single_head_reports_zero_and_says_so(tmp_path, caplog):
     for p in model.decoder.parameters():
         torch.nn.init.normal_(p, std=1.0)  # trained-looking queries: still nothing to disagree with
     with caplog.at_level(logging.INFO):
-        accumulator = probe_once(tmp_path, model)
+        accumulator = log_at_train_end(tmp_path, model, HeadDisagreementProbe())
     assert "1 head per site" in caplog.text and "0 by definition" in caplog.text
     values = [scalar(accumulator, tag) for tag in accumulator.Tags()["scalars"] if tag.startswith("head_js")]
     assert len(values) == 2 * 9 and not any(values)
