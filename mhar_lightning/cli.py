@@ -212,6 +212,8 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
     if ckpt_path == "last":
         candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
         ckpt_path = str(candidates[-1]) if candidates else None
+    elif ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
+        raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
     checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)

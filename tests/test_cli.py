@@ -71,9 +71,10 @@ def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys
         ("--model.residual.heads", "3", "heads=3 must divide d_model=64"),
         ("--model.residual", "mhra", "unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"),
         ("--model.preset", "2b", "unknown model preset '2b'"),
+        ("--ckpt_path", "missing.ckpt", "checkpoint missing.ckpt does not exist"),
     ],
 )
-def test_a_model_argument_that_does_not_fit_is_one_line(tmp_path: Path, capsys, flag, value, message) -> None:
+def test_an_argument_that_does_not_fit_is_one_line(tmp_path: Path, capsys, flag, value, message) -> None:
     args = ["fit", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), flag, value]
     code, _, err = run(args, capsys)
     assert code == 2
