@@ -3,11 +3,8 @@
 The op has fake (shape-only) implementations and a registered autograd formula whose backward is
 itself a custom op, so `torch.compile(fullgraph=True)` traces a block through it without graph
 breaks and checkpoint recomputation simply calls it again (no state is kept across calls).
-The autograd context keeps a reference to the output (the mix): every caller feeds the mix into an op
-that saves it anyway (the sublayer pre-norm, or the `a * mix` gate), so this costs no memory. The
-backward reads it only when it is fp32 (any fp32 source, the case under autocast, where the embedding
-is fp32); for a bf16 mix it recomputes <grad, mix> from the sources instead (one more read of each),
-because the rounded mix makes the softmax gradient inexact.
+The autograd context saves only the sources (references) and the per-head log-sum-exp: the backward
+recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
 """
 
 import functools
@@ -39,7 +36,6 @@ def _route_fake(sources, query, norm_weight, heads, eps):
 @torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
 def route_backward(
     grad_out: Tensor,
-    out: Tensor,
     lse: Tensor,
     sources: list[Tensor],
     query: Tensor,
@@ -48,28 +44,28 @@ def route_backward(
     eps: float,
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}, d query, d norm_weight]."""
-    grads, du = triton_route.route_backward(grad_out, out, lse, sources, _folded(query, norm_weight), heads, eps)
+    grads, du = triton_route.route_backward(grad_out, lse, sources, _folded(query, norm_weight), heads, eps)
     grads = [g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return grads + [(du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)]
 
 
 @route_backward.register_fake
-def _route_backward_fake(grad_out, out, lse, sources, query, norm_weight, heads, eps):
+def _route_backward_fake(grad_out, lse, sources, query, norm_weight, heads, eps):
     params = [query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)]
     return [v.new_empty(v.shape) for v in sources] + params
 
 
 def _setup_context(ctx, inputs, output):
     sources, query, norm_weight, heads, eps = inputs
-    out, lse = output
+    _, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(out, lse, query, norm_weight, *sources)
+    ctx.save_for_backward(lse, query, norm_weight, *sources)
     ctx.heads, ctx.eps = heads, eps
 
 
 def _backward(ctx, grad_out, grad_lse):
-    out, lse, query, norm_weight, *sources = ctx.saved_tensors
-    grads = route_backward(grad_out, out, lse, sources, query, norm_weight, ctx.heads, ctx.eps)
+    lse, query, norm_weight, *sources = ctx.saved_tensors
+    grads = route_backward(grad_out, lse, sources, query, norm_weight, ctx.heads, ctx.eps)
     return grads[:-2], grads[-2], grads[-1], None, None
 
 

@@ -1,9 +1,11 @@
 """Fused Triton kernels for depth routing (forward and backward) and their launchers.
 
 Sources reach the kernels through a pointer table (address, two leading strides and a dtype tag
-per source), so the history is never concatenated and each call reads every source once.
-One program handles whole rows (tokens); the heads of a row are a [BH, BDH] register tile, so
-the full-width RMS that couples the heads is a plain reduction over the tile.
+per source), so the history is never concatenated. Every kernel works on whole rows (tokens) held
+as a [heads, head size] register tile, so the full-width RMS that couples the heads is a plain
+reduction and per-head values broadcast without gathers. The forward and the backward statistics
+run one program per row over all sources; the backward then writes each source's gradient from
+small per-(row, source) coefficients, one program per (block of rows, source).
 """
 
 import os
@@ -27,15 +29,18 @@ def _ptr(base, dtype: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _issue(table, S, n, ok, i0, i1, cols, mask, ALIGN: tl.constexpr):
+def _issue(table, S, n, ok, i0, i1, cols, mask, ALIGN: tl.constexpr, ROWS: tl.constexpr = False):
     """Start loading row (i0, i1) of source n: (fp32 part, bf16 part), one of them all zeros.
 
-    The parts are combined only where the row is used, so the loads stay in flight until then.
+    With ROWS, `i0`, `i1` are [R] vectors of R rows (and `cols`, `mask` are [R, C]). The parts are
+    combined only where the row is used, so the loads stay in flight until then.
     """
     base = tl.load(table + n)
     off = i0 * tl.load(table + S + n) + i1 * tl.load(table + 2 * S + n)
     if ALIGN:
         off = tl.multiple_of(off, 8)
+    if ROWS:
+        off = off[:, None]
     tag = tl.load(table + 3 * S + n)
     x32 = tl.load(_ptr(base, tl.float32, ALIGN) + off + cols, mask=tl.where(ok & (tag == 0), mask, False), other=0.0)
     x16 = tl.load(_ptr(base, tl.bfloat16, ALIGN) + off + cols, mask=tl.where(ok & (tag == 1), mask, False), other=0.0)
@@ -44,12 +49,16 @@ def _issue(table, S, n, ok, i0, i1, cols, mask, ALIGN: tl.constexpr):
 
 @triton.jit
 def _store(table, S, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
-    """Store an fp32 row into the gradient buffer of source n (contiguous, the source's dtype)."""
+    """Store an fp32 row into the gradient buffer of source n (contiguous, the source's dtype).
+
+    A branch rather than two masked stores: the fp32 store may need its own register layout, and
+    the branch not taken costs nothing."""
     base = tl.load(table + 4 * S + n)
-    tag = tl.load(table + 3 * S + n)
     off = row * D
-    tl.store(_ptr(base, tl.float32, ALIGN) + off + cols, x, mask=tl.where(tag == 0, mask, False))
-    tl.store(_ptr(base, tl.bfloat16, ALIGN) + off + cols, x.to(tl.bfloat16), mask=tl.where(tag == 1, mask, False))
+    if tl.load(table + 3 * S + n) == 0:
+        tl.store(_ptr(base, tl.float32, ALIGN) + off + cols, x, mask=mask)
+    else:
+        tl.store(_ptr(base, tl.bfloat16, ALIGN) + off + cols, x.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -87,61 +96,96 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
-    table,
-    S,
-    u_ptr,
-    out_ptr,
-    gout_ptr,
-    lse_ptr,
-    du_ptr,
-    M,
-    M1,
-    D,
-    H,
-    DH,
-    eps,
-    BH: tl.constexpr,
-    BDH: tl.constexpr,
-    ALIGN: tl.constexpr,
-    EXACT_DELTA: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def _backward_stats_kernel(
+    table, S, u_ptr, gout_ptr, lse_ptr, z_ptr, s_ptr, r_ptr, delta_ptr, M1, D, H, DH, eps,
+    BH: tl.constexpr, BDH: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """Per row (one program each, like the forward): for every source the RMS factor r[n], the logits
+    z[n, h] and s[n, h] = <go[h], v_n[h]>, and delta[h] = sum_n p[n, h] s[n, h] = <go[h], mix[h]>
+    (exact, without reading a rounded mix)."""
+    row = tl.program_id(0).to(tl.int64)
+    i0 = row // M1
+    i1 = row % M1
+    h = tl.arange(0, BH)
+    j = tl.arange(0, BDH)
+    mask = (h < H)[:, None] & (j < DH)[None, :]
+    cols = h[:, None] * DH + j[None, :]
+    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    go = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row * H + h, mask=h < H, other=0.0)
+    delta = tl.zeros([BH], tl.float32)
+    a32, a16 = _issue(table, S, 0, True, i0, i1, cols, mask, ALIGN)
+    b32, b16 = _issue(table, S, 1 % S, 1 < S, i0, i1, cols, mask, ALIGN)
+    for n in range(S):
+        c32, c16 = _issue(table, S, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, ALIGN)
+        x = a32 + a16.to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x) / D + eps)
+        z = r * tl.sum(x * u, axis=1)
+        s = tl.sum(go * x, axis=1)
+        delta += tl.exp(z - lse) * s
+        tl.store(z_ptr + (row * S + n) * H + h, z, mask=h < H)
+        tl.store(s_ptr + (row * S + n) * H + h, s, mask=h < H)
+        tl.store(r_ptr + row * S + n, r)
+        a32, a16, b32, b16 = b32, b16, c32, c16
+    tl.store(delta_ptr + row * H + h, delta, mask=h < H)
+
+
+@triton.jit
+def _backward_coef_kernel(
+    S, lse_ptr, z_ptr, s_ptr, r_ptr, delta_ptr, p_ptr, q_ptr, c_ptr, MS, D, H,
+    BLOCK: tl.constexpr, BH: tl.constexpr,
+):  # fmt: skip
+    """Per (row, source) pair: p = softmax weight, q = r dz with dz = p (s - delta), c = -r^2 / D sum_h dz z."""
+    pair = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    hh = tl.arange(0, BH)[None, :]
+    ok = pair < MS
+    mask = ok[:, None] & (hh < H)
+    at = pair[:, None] * H + hh
+    stat = (pair // S)[:, None] * H + hh
+    z = tl.load(z_ptr + at, mask=mask, other=0.0)
+    p = tl.exp(z - tl.load(lse_ptr + stat, mask=mask, other=0.0))
+    dz = p * (tl.load(s_ptr + at, mask=mask, other=0.0) - tl.load(delta_ptr + stat, mask=mask, other=0.0))
+    r = tl.load(r_ptr + pair, mask=ok, other=0.0)
+    tl.store(p_ptr + at, p, mask=mask)
+    tl.store(q_ptr + at, r[:, None] * dz, mask=mask)
+    tl.store(c_ptr + pair, -r * r / D * tl.sum(tl.where(mask, dz * z, 0.0), axis=1), mask=ok)
+
+
+@triton.jit
+def _backward_apply_kernel(
+    table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH,
+    BR: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """dv_n = p[n, h] go + q[n, h] u + c[n] v_n for BR rows of source n, and their partial sum of
+    du = sum over rows of q[n, h] v_n (reduced over row blocks by the caller).
+
+    Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
+    without gathers and addresses are computed once per 16-byte vector.
+    """
+    n = tl.program_id(0) % S
+    first = (tl.program_id(0) // S).to(tl.int64) * BR
     h = tl.arange(0, BH)
     j = tl.arange(0, BDH)
     mask = (h < H)[:, None] & (j < DH)[None, :]
     cols = h[:, None] * DH + j[None, :]
     u = tl.load(u_ptr + cols, mask=mask, other=0.0)
     du = tl.zeros([BH, BDH], tl.float32)
-    for row in range(pid.to(tl.int64), M, tl.num_programs(0)):
-        i0 = row // M1
-        i1 = row % M1
+    for i in range(tl.minimum(M - first, BR)):
+        row = first + i
+        at = (row * S + n) * H + h
+        p = tl.load(p_ptr + at, mask=h < H, other=0.0)[:, None]
+        q = tl.load(q_ptr + at, mask=h < H, other=0.0)[:, None]
+        c = tl.load(c_ptr + row * S + n)
         go = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + row * H + h, mask=h < H, other=0.0)
-        if EXACT_DELTA:  # delta = sum_n p_n <go, v_n>: one more pass over the sources, no rounded mix
-            delta = tl.zeros([BH], tl.float32)
-            for n in range(S):
-                a32, a16 = _issue(table, S, n, True, i0, i1, cols, mask, ALIGN)
-                x = a32 + a16.to(tl.float32)
-                z = tl.rsqrt(tl.sum(x * x) / D + eps) * tl.sum(x * u, axis=1)
-                delta += tl.exp(z - lse) * tl.sum(go * x, axis=1)
-        else:  # delta = <go, mix> from the saved fp32 mix
-            delta = tl.sum(go * tl.load(out_ptr + row * D + cols, mask=mask, other=0.0), axis=1)
-        a32, a16 = _issue(table, S, 0, True, i0, i1, cols, mask, ALIGN)
-        b32, b16 = _issue(table, S, 1 % S, 1 < S, i0, i1, cols, mask, ALIGN)
-        for n in range(S):
-            c32, c16 = _issue(table, S, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, ALIGN)
-            x = a32 + a16.to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x) / D + eps)
-            z = r * tl.sum(x * u, axis=1)
-            p = tl.exp(z - lse)
-            dz = p * (tl.sum(go * x, axis=1) - delta)
-            c = -r * r / D * tl.sum(dz * z)
-            dv = p[:, None] * go + (r * dz)[:, None] * u + c * x
-            _store(table, S, n, row, D, cols, mask, dv, ALIGN)
-            du += (dz * r)[:, None] * x
-            a32, a16, b32, b16 = b32, b16, c32, c16
-    tl.store(du_ptr + pid * D + cols, du, mask=mask)
+        x32, x16 = _issue(table, S, n, True, row // M1, row % M1, cols, mask, ALIGN)
+        x = x32 + x16.to(tl.float32)
+        _store(table, S, n, row, D, cols, mask, p * go + q * u + c * x, ALIGN)
+        du += q * x
+    tl.store(du_ptr + tl.program_id(0).to(tl.int64) * D + cols, du, mask=mask)
+
+
+ROW_ELEMS_PER_THREAD = 16  # per-row kernels; benchmarks/RESULTS.md has 8 against 16
+APPLY_ROWS = 32  # rows per program of the elementwise backward pass (its du partial sums: rows / 32 x S x d)
 
 
 def _interpreted() -> bool:
@@ -218,7 +262,7 @@ def route_forward(
         out = torch.empty(*lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
         lse = torch.empty(*lead, heads, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, 8)  # one 16-byte vector of bf16 per thread
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD)
     if rows:
         _forward_kernel[(rows,)](
             table,
@@ -241,7 +285,6 @@ def route_forward(
 
 def route_backward(
     grad_out: Tensor,
-    out: Tensor,
     lse: Tensor,
     sources: Sequence[Tensor],
     u: Tensor,
@@ -251,40 +294,39 @@ def route_backward(
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route: one per source (its dtype, contiguous) and du = dL/d(query * norm_weight).
 
-    `du` is reduced over tokens in two deterministic stages: per-program partial sums written by
-    the kernel, then one `sum` over programs.
+    Three kernels: per-row statistics (one program per row, reading every source once), the
+    coefficients p, q, c per (row, source), then one program per (block of rows, source) writing that
+    source's gradient. `du` is reduced over tokens deterministically: partial sums per program of the
+    last kernel, then one `sum` over them.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     if grads is None:
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
+    rows, S, dh = lead.numel(), len(sources), d // heads
+    if rows == 0:
+        return list(grads), torch.zeros(d, dtype=torch.float32, device=u.device)
     table, views, aligned = _table(sources, lead, grads)
-    rows = lead.numel()
-    if _interpreted() or u.device.type != "cuda":
-        programs = min(rows, 4)
-    else:
-        programs = min(rows, 4 * torch.cuda.get_device_properties(u.device).multi_processor_count)
-    programs = max(programs, 1)
-    du = torch.empty(programs, d, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, 4)  # more live tiles: halve the registers per thread
-    _backward_kernel[(programs,)](
-        table,
-        len(sources),
-        u.contiguous(),
-        out.contiguous(),
-        grad_out.contiguous(),
-        lse.contiguous(),
-        du,
-        rows,
-        views[0].shape[1],
-        d,
-        heads,
-        d // heads,
-        eps,
-        BH=bh,
-        BDH=bdh,
-        ALIGN=aligned and (d // heads) % 8 == 0,
-        EXACT_DELTA=out.dtype != torch.float32,
-        num_warps=warps,
+    align = aligned and dh % 8 == 0
+    grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
+    z = torch.empty(rows, S, heads, dtype=torch.float32, device=u.device)
+    s = torch.empty_like(z)
+    r = torch.empty(rows, S, dtype=torch.float32, device=u.device)
+    delta = torch.empty(rows, heads, dtype=torch.float32, device=u.device)
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD)
+    _backward_stats_kernel[(rows,)](
+        table, S, u, grad_out, lse, z, s, r, delta, views[0].shape[1], d, heads, dh, eps,
+        BH=bh, BDH=bdh, ALIGN=align, num_warps=warps,
+    )  # fmt: skip
+    p, q, c = torch.empty_like(z), torch.empty_like(z), torch.empty_like(r)
+    block = 64
+    _backward_coef_kernel[(triton.cdiv(rows * S, block),)](
+        S, lse, z, s, r, delta, p, q, c, rows * S, d, heads, BLOCK=block, BH=bh, num_warps=1 if _interpreted() else 4
     )
+    blocks = triton.cdiv(rows, APPLY_ROWS) * S
+    du = torch.empty(blocks, d, dtype=torch.float32, device=u.device)
+    _backward_apply_kernel[(blocks,)](
+        table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
+        BR=APPLY_ROWS, BH=bh, BDH=bdh, ALIGN=align, num_warps=warps,
+    )  # fmt: skip
     return list(grads), du.sum(0)

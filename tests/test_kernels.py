@@ -7,7 +7,7 @@ from mhar_lightning.kernels import ENV_BACKEND, depth_route, op, reference, reso
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # small cases run on the card when there is one, else in the interpreter
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # fp32: an fp32 PyTorch reference itself reaches 1.1e-5 at S = 64
 
 
 def rel(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
@@ -57,6 +57,8 @@ CASES = [  # (S, d, heads): non-power-of-two widths and head sizes, 1 to 64 sour
     (7, 12, 2),
     (64, 16, 4),
     (3, 64, 8),  # 16-byte aligned rows and heads: the vectorised path on a GPU
+    (4, 192, 2),  # head size 96: not a power of two, padded in the [heads, head size] tile
+    (2, 256, 4),
 ]
 
 
@@ -65,6 +67,13 @@ CASES = [  # (S, d, heads): non-power-of-two widths and head sizes, 1 to 64 sour
 def test_matches_reference(S, d, heads, dtype):
     sources, query, gain, grad_out = make(S, d, (2, 3), [dtype] * S, seed=S * 1000 + d + heads)
     check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
+
+
+def test_rows_span_several_gradient_blocks():
+    """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
+    assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
+    sources, query, gain, grad_out = make(3, 24, (5, 15), [torch.float32, torch.bfloat16, torch.float32], seed=7)
+    check_against_reference(sources, query, gain, grad_out, 4, TOL[torch.bfloat16])
 
 
 def test_mixed_dtypes_broadcast_and_strided_sources():
@@ -103,7 +112,7 @@ def test_outputs_fully_overwritten():
     triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     grads = [torch.full_like(v, float("nan")) for v in sources]
-    triton_route.route_backward(grad_out, out, lse, sources, u, heads, 1e-6, grads=grads)
+    triton_route.route_backward(grad_out, lse, sources, u, heads, 1e-6, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -128,7 +137,7 @@ def test_checkpointed_and_deterministic():
 def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32])
     out, lse = op.route(sources, query, gain, 4, 1e-6)
-    torch.library.opcheck(op.route_backward, (grad_out, out, lse, sources, query, gain, 4, 1e-6))
+    torch.library.opcheck(op.route_backward, (grad_out, lse, sources, query, gain, 4, 1e-6))
     args = ([v.requires_grad_() for v in sources], query.requires_grad_(), gain.requires_grad_(), 4, 1e-6)
     torch.library.opcheck(op.route, args)
 
