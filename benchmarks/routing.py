@@ -1,8 +1,9 @@
 """Benchmark the depth-routing op alone (forward, forward+backward) against the card's copy bandwidth.
 
 The floor of a memory-bound op is (bytes it must move) / (measured device-to-device copy bandwidth):
-forward reads every source once and writes the mix; backward reads the upstream gradient, the saved mix
-and every source once and writes one gradient per source. The fraction printed is floor / measured.
+forward reads every source once and writes the mix; backward reads the upstream gradient and every
+source once and writes one gradient per source. The fraction printed is floor / measured. `bwd ms` is
+the backward launcher alone (both kernels).
 
     python benchmarks/routing.py [--tokens 16384] [--out results.json]
 """
@@ -39,7 +40,7 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
     src_bytes = sum(v.numel() * v.element_size() for v in sources)
     out_bytes = tokens * d * torch.finfo(out_dt).bits // 8
     fwd_bytes = src_bytes + out_bytes
-    bwd_bytes = 2 * out_bytes + 2 * src_bytes
+    bwd_bytes = out_bytes + 2 * src_bytes
     go = torch.randn(tokens, d, device="cuda", dtype=out_dt)
     u = (query * gain).detach()
     leaves = [*sources, query, gain]
@@ -49,6 +50,10 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
 
     row = {"tokens": tokens, "d": d, "S": S, "heads": heads, "mixed": mixed}
     row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
+    _, lse = triton_route.route_forward(sources, u, heads, 1e-6)
+    row["bwd_ms"] = do_bench(
+        lambda: triton_route.route_backward(go, lse, sources, u, heads, 1e-6), return_mode="median"
+    )
     row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
     row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
     if compiled_ref is not None:
@@ -61,6 +66,36 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
     return row
 
 
+def kernel_times(fn, reps: int = 20) -> dict[str, float]:
+    """Device time per call of each kernel `fn` launches, in ms (torch profiler, so host time is excluded)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
+    """Device time of each backward kernel per `triton_route.APPLY_ROWS`, and of the per-row kernels per
+    `triton_route.ROW_ELEMS_PER_THREAD`, at model shapes (fp32 embedding + bf16 sources, H = 8)."""
+    defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD
+    for d, S in ((2048, 5), (2048, 17), (768, 5)):
+        sources, query, gain = make(tokens, d, S, mixed=True)
+        u = (query * gain).detach()
+        go = torch.randn(tokens, d, device="cuda")
+        _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
+        for rows in map(int, apply_rows.split(",")):
+            for elems in (8, 16):
+                triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = rows, elems
+                times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
+                times |= kernel_times(lambda: triton_route.route_backward(go, lse, sources, u, 8, 1e-6))
+                kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
+                print(f"d={d} S={S} apply rows {rows} elems/thread {elems}: {kernels}", flush=True)
+    triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8 * 2048)
@@ -69,7 +104,10 @@ def main() -> None:
         "--compile-ref-s", type=int, default=9, help="time the compiled reference too at this S (mixed)"
     )
     parser.add_argument("--sources", default="2,5,9,25,49", help="numbers of sources S to time")
+    parser.add_argument("--apply-rows", default=None, help="only time each kernel per launch shape, e.g. 16,32,64")
     args = parser.parse_args()
+    if args.apply_rows:
+        return sweep_kernel_shapes(args.apply_rows, args.tokens)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s")
@@ -83,14 +121,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print(
         f"{'d':>5} {'S':>3} {'src':>5} | {'fwd ms':>7} {'floor':>7} {'frac':>5} | "
-        f"{'f+b ms':>7} {'floor':>7} {'frac':>5} | {'ref eager':>9} {'ref comp':>8}"
+        f"{'bwd ms':>7} | {'f+b ms':>7} {'floor':>7} {'frac':>5} | {'ref eager':>9} {'ref comp':>8}"
     )
     for r in rows:
         comp = f"{r['ref_compiled_fwdbwd_ms']:8.3f}" if "ref_compiled_fwdbwd_ms" in r else f"{'-':>8}"
         print(
             f"{r['d']:5d} {r['S']:3d} {'mixed' if r['mixed'] else 'bf16':>5} | "
             f"{r['fwd_ms']:7.3f} {r['fwd_floor_ms']:7.3f} "
-            f"{r['fwd_frac']:5.2f} | {r['fwdbwd_ms']:7.3f} {r['fwdbwd_floor_ms']:7.3f} {r['fwdbwd_frac']:5.2f} | "
+            f"{r['fwd_frac']:5.2f} | {r['bwd_ms']:7.3f} | "
+            f"{r['fwdbwd_ms']:7.3f} {r['fwdbwd_floor_ms']:7.3f} {r['fwdbwd_frac']:5.2f} | "
             f"{r['ref_eager_fwdbwd_ms']:9.3f} {comp}"
         )
     if args.out:

@@ -43,7 +43,16 @@ def allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, 1 << 16)
 
 
-def run(preset: str, variant: str, steps: int, warmup: int) -> dict:
+def profile(step, label: str) -> None:
+    """Print the GPU time of one step per kernel (top 25), to see where a strategy spends its overhead."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    print(f"--- profile: {label}\n{table}", flush=True)
+
+
+def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool = False) -> dict:
     cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
     name, kwargs = VARIANTS[variant]
     model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
@@ -78,6 +87,8 @@ def run(preset: str, variant: str, steps: int, warmup: int) -> dict:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     peak = torch.cuda.max_memory_allocated()
+    if with_profile:
+        profile(step, f"{preset} {variant}")
     tokens = BATCH[preset] * SEQ_LEN
     row = {
         "preset": preset,
@@ -98,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--profile", action="store_true", help="print each variant's GPU time per kernel")
     args = parser.parse_args()
     allow_recompiles()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -109,7 +121,7 @@ def main() -> None:
     rows = []
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
-            row = run(preset, variant, args.steps, args.warmup)
+            row = run(preset, variant, args.steps, args.warmup, args.profile)
             gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
             torch.cuda.empty_cache()
             torch._dynamo.reset()
