@@ -29,18 +29,15 @@ def _ptr(base, dtype: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _issue(table, S, n, ok, i0, i1, cols, mask, ALIGN: tl.constexpr, ROWS: tl.constexpr = False):
+def _issue(table, S, n, ok, i0, i1, cols, mask, ALIGN: tl.constexpr):
     """Start loading row (i0, i1) of source n: (fp32 part, bf16 part), one of them all zeros.
 
-    With ROWS, `i0`, `i1` are [R] vectors of R rows (and `cols`, `mask` are [R, C]). The parts are
-    combined only where the row is used, so the loads stay in flight until then.
+    The parts are combined only where the row is used, so the loads stay in flight until then.
     """
     base = tl.load(table + n)
     off = i0 * tl.load(table + S + n) + i1 * tl.load(table + 2 * S + n)
     if ALIGN:
         off = tl.multiple_of(off, 8)
-    if ROWS:
-        off = off[:, None]
     tag = tl.load(table + 3 * S + n)
     x32 = tl.load(_ptr(base, tl.float32, ALIGN) + off + cols, mask=tl.where(ok & (tag == 0), mask, False), other=0.0)
     x16 = tl.load(_ptr(base, tl.bfloat16, ALIGN) + off + cols, mask=tl.where(ok & (tag == 1), mask, False), other=0.0)
