@@ -43,13 +43,18 @@ def allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, 1 << 16)
 
 
-def profile(step, label: str) -> None:
-    """Print the GPU time of one step per kernel (top 25), to see where a strategy spends its overhead."""
+def profile(step, label: str) -> float:
+    """Print the GPU time of one step per kernel (top 25), to see where a strategy spends its overhead.
+
+    Returns the summed kernel time in seconds: well below the timed step means the GPU waited on the host.
+    """
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
     print(f"--- profile: {label}\n{table}", flush=True)
+    return sum(e.self_device_time_total for e in averages) * 1e-6
 
 
 def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool = False) -> dict:
@@ -87,8 +92,7 @@ def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool =
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     peak = torch.cuda.max_memory_allocated()
-    if with_profile:
-        profile(step, f"{preset} {variant}")
+    kernel_s = profile(step, f"{preset} {variant}") if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
     row = {
         "preset": preset,
@@ -99,6 +103,8 @@ def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool =
         "peak_gib": peak / 2**30,
         "compile_s": compile_s,
     }
+    if kernel_s is not None:
+        row["gpu_busy"] = kernel_s / row["step_s"]  # of a timed step, the fraction the kernels account for
     return row
 
 
