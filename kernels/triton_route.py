@@ -59,17 +59,23 @@ def _store(table, S, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(u_ptr, H, DH, BH: tl.constexpr, BDH: tl.constexpr):
+    """The [heads, head size] tile of one row: head index, mask, column offsets and the folded query."""
+    h = tl.arange(0, BH)
+    j = tl.arange(0, BDH)
+    mask = (h < H)[:, None] & (j < DH)[None, :]
+    cols = h[:, None] * DH + j[None, :]
+    return h, mask, cols, tl.load(u_ptr + cols, mask=mask, other=0.0)
+
+
+@triton.jit
 def _forward_kernel(
     table, S, u_ptr, out_ptr, lse_ptr, M1, D, H, DH, eps, BH: tl.constexpr, BDH: tl.constexpr, ALIGN: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h = tl.arange(0, BH)
-    j = tl.arange(0, BDH)
-    mask = (h < H)[:, None] & (j < DH)[None, :]
-    cols = h[:, None] * DH + j[None, :]
-    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
     m = tl.full([BH], float("-inf"), tl.float32)
     z_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BDH], tl.float32)
@@ -103,11 +109,7 @@ def _backward_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h = tl.arange(0, BH)
-    j = tl.arange(0, BDH)
-    mask = (h < H)[:, None] & (j < DH)[None, :]
-    cols = h[:, None] * DH + j[None, :]
-    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
     go = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + row * H + h, mask=h < H, other=0.0)
     delta = tl.zeros([BH], tl.float32)
@@ -161,11 +163,7 @@ def _backward_apply_kernel(
     """
     n = tl.program_id(0) % S
     first = (tl.program_id(0) // S).to(tl.int64) * BR
-    h = tl.arange(0, BH)
-    j = tl.arange(0, BDH)
-    mask = (h < H)[:, None] & (j < DH)[None, :]
-    cols = h[:, None] * DH + j[None, :]
-    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
     du = tl.zeros([BH, BDH], tl.float32)
     for i in range(tl.minimum(M - first, BR)):
         row = first + i
