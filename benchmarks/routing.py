@@ -82,7 +82,7 @@ def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
     """Device time of each backward kernel per `triton_route.APPLY_ROWS`, and of the per-row kernels per
     `triton_route.ROW_ELEMS_PER_THREAD`, at model shapes (fp32 embedding + bf16 sources, H = 8)."""
     defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD
-    for d, S in ((2048, 5), (2048, 17), (768, 5)):
+    for d, S in ((2048, 5), (2048, 17), (1024, 5), (768, 5)):
         sources, query, gain = make(tokens, d, S, mixed=True)
         u = (query * gain).detach()
         go = torch.randn(tokens, d, device="cuda")
