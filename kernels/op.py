@@ -5,6 +5,9 @@ itself a custom op, so `torch.compile(fullgraph=True)` traces a block through it
 breaks and checkpoint recomputation simply calls it again (no state is kept across calls).
 The autograd context saves only the sources (references) and the per-head log-sum-exp: the backward
 recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
+The ops take the folded query `u = query * norm_weight` and return the partial sums of its gradient:
+folding, reducing and the chain rule to the parameters stay in traced code, which Inductor fuses, so the
+ops themselves do nothing per call besides launching their kernels (host time matters: about 50 calls a step).
 """
 
 import functools
@@ -16,20 +19,16 @@ from mhar_lightning.kernels.reference import check_heads
 from torch import Tensor
 
 
-def _folded(query: Tensor, norm_weight: Tensor) -> Tensor:
-    return query.float() * norm_weight.float()
-
-
 @torch.library.custom_op("mhar::depth_route", mutates_args=())
-def route(sources: list[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
+def route(sources: list[Tensor], u: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
     """Mix [..., d] (bf16 if all sources are bf16, else fp32) and per-head log-sum-exp [..., heads] (fp32)."""
-    return triton_route.route_forward(sources, _folded(query, norm_weight), heads, eps)
+    return triton_route.route_forward(sources, u, heads, eps)
 
 
 @route.register_fake
-def _route_fake(sources, query, norm_weight, heads, eps):
+def _route_fake(sources, u, heads, eps):
     lead = sources[0].shape[:-1]
-    out = sources[0].new_empty((*lead, query.shape[-1]), dtype=triton_route.out_dtype(sources))
+    out = sources[0].new_empty((*lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
     return out, sources[0].new_empty((*lead, heads), dtype=torch.float32)
 
 
@@ -38,35 +37,35 @@ def route_backward(
     grad_out: Tensor,
     lse: Tensor,
     sources: list[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
+    u: Tensor,
     heads: int,
     eps: float,
 ) -> list[Tensor]:
-    """Gradients [d source_0, ..., d source_{S-1}, d query, d norm_weight]."""
-    grads, du = triton_route.route_backward(grad_out, lse, sources, _folded(query, norm_weight), heads, eps)
-    grads = [g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
-    return grads + [(du * norm_weight.float()).to(query.dtype), (du * query.float()).to(norm_weight.dtype)]
+    """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, d]."""
+    grads, du_parts = triton_route.route_backward(grad_out, lse, sources, u, heads, eps)
+    grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
+    return [*grads, du_parts]
 
 
 @route_backward.register_fake
-def _route_backward_fake(grad_out, lse, sources, query, norm_weight, heads, eps):
-    params = [query.new_empty(query.shape), norm_weight.new_empty(norm_weight.shape)]
-    return [v.new_empty(v.shape) for v in sources] + params
+def _route_backward_fake(grad_out, lse, sources, u, heads, eps):
+    rows = sources[0].shape[:-1].numel()
+    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), u.shape[-1]), dtype=torch.float32)
+    return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
 def _setup_context(ctx, inputs, output):
-    sources, query, norm_weight, heads, eps = inputs
+    sources, u, heads, eps = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(lse, query, norm_weight, *sources)
+    ctx.save_for_backward(lse, u, *sources)
     ctx.heads, ctx.eps = heads, eps
 
 
 def _backward(ctx, grad_out, grad_lse):
-    lse, query, norm_weight, *sources = ctx.saved_tensors
-    grads = route_backward(grad_out, lse, sources, query, norm_weight, ctx.heads, ctx.eps)
-    return grads[:-2], grads[-2], grads[-1], None, None
+    lse, u, *sources = ctx.saved_tensors
+    *grads, du_parts = route_backward(grad_out, lse, sources, u, ctx.heads, ctx.eps)
+    return grads, du_parts.sum(0), None, None
 
 
 route.register_autograd(_backward, setup_context=_setup_context)
@@ -87,5 +86,5 @@ def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, h
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    out, _ = route(sources, query, norm_weight, heads, eps)
+    out, _ = route(sources, query.float() * norm_weight.float(), heads, eps)
     return out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))

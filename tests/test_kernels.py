@@ -69,6 +69,21 @@ def test_matches_reference(S, d, heads, dtype):
     check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # embedding + block outputs: the model's case
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+    ],
+)
+def test_source_dtype_patterns(dtypes):
+    """Each launch specialises its loads on the dtype of source 0 and of the rest (one dtype, or either)."""
+    sources, query, gain, grad_out = make(len(dtypes), 40, (2, 3), dtypes, seed=len(dtypes))
+    check_against_reference(sources, query, gain, grad_out, 8, TOL[torch.bfloat16])
+
+
 def test_rows_span_several_gradient_blocks():
     """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
     assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
@@ -136,10 +151,10 @@ def test_checkpointed_and_deterministic():
 
 def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32])
-    out, lse = op.route(sources, query, gain, 4, 1e-6)
-    torch.library.opcheck(op.route_backward, (grad_out, lse, sources, query, gain, 4, 1e-6))
-    args = ([v.requires_grad_() for v in sources], query.requires_grad_(), gain.requires_grad_(), 4, 1e-6)
-    torch.library.opcheck(op.route, args)
+    u = query * gain
+    out, lse = op.route(sources, u, 4, 1e-6)
+    torch.library.opcheck(op.route_backward, (grad_out, lse, sources, u, 4, 1e-6))
+    torch.library.opcheck(op.route, ([v.requires_grad_() for v in sources], u.requires_grad_(), 4, 1e-6))
 
 
 @pytest.mark.parametrize("residual", ["mhar", "delta-mhar"])
