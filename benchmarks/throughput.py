@@ -2,7 +2,8 @@
 
 Every step is forward, backward and a fused AdamW step on one fixed batch, under bf16 autocast, with
 each transformer block compiled on its own (`block.compile()`). Tokens/s is the median over the timed
-steps; peak memory is `torch.cuda.max_memory_allocated` over them.
+steps; peak memory is `torch.cuda.max_memory_allocated` over them; host ms is the median time Python
+takes to issue a step (close to the step time means the GPU waits on the host).
 
     python benchmarks/throughput.py [--presets 100m,350m,1b] [--steps 10] [--out results.json]
 """
@@ -83,11 +84,13 @@ def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool =
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, host = [], []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         step()
+        host.append(time.perf_counter() - t0)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
@@ -102,6 +105,7 @@ def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool =
         "tok_s": tokens / statistics.median(times),
         "peak_gib": peak / 2**30,
         "compile_s": compile_s,
+        "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
     }
     if kernel_s is not None:
         row["gpu_busy"] = kernel_s / row["step_s"]  # of a timed step, the fraction the kernels account for
@@ -136,12 +140,16 @@ def main() -> None:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
-    print(f"{'preset':>6} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} {'compile s':>9}")
+    print(
+        f"{'preset':>6} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} "
+        f"{'step ms':>8} {'host ms':>8} {'compile s':>9}"
+    )
     for r in rows:
         base = next((b for b in rows if b["preset"] == r["preset"] and b["variant"] == "sum"), r)
         print(
             f"{r['preset']:>6} {r['variant']:>16} {r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
-            f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} {r['compile_s']:9.1f}"
+            f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} "
+            f"{r['step_s'] * 1e3:8.1f} {r['host_s'] * 1e3:8.1f} {r['compile_s']:9.1f}"
         )
 
 
