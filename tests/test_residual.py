@@ -136,6 +136,16 @@ def test_delta_block_deltas_are_stream_differences():
     assert block_start is p and embedding is emb
 
 
+def test_delta_block_deltas_take_the_sublayer_output_dtype():
+    """Under autocast the stream p stays fp32 while block deltas are stored like the bf16 sublayer outputs."""
+    router = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1)).blocks[0].residual
+    emb = torch.randn(1, 2, 64)
+    y0, y1 = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    p, _, _, _, delta = router.write(router.write((emb, emb, torch.zeros(1, 2, 64), emb), 0, y0), 1, y1)
+    assert p.dtype == torch.float32 and delta.dtype == torch.bfloat16
+    torch.testing.assert_close(delta, ((emb + y0 + y1) - emb).bfloat16())
+
+
 def saved_bytes(model: Decoder, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages that autograd saves for backward during one forward."""
     storages = {}

@@ -13,7 +13,9 @@ class DeltaMHAR(DepthRouter):
     """h_l = p_l + a_l * MHAR_l([null, embedding, finished block deltas]); p_{l+1} = p_l + y_l.
 
     The gate `a_l` starts at zero, so a converted pretrained model computes exactly what it did before.
-    A block spans `block_size` transformer blocks; its delta is p at its end minus p at its start.
+    A block spans `block_size` transformer blocks; its delta is p at its end minus p at its start, kept in
+    the dtype of the sublayer outputs (bf16 under autocast, like MHAR's block sums; p itself stays fp32),
+    which halves what every later routing call reads.
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...).
     """
 
@@ -49,7 +51,7 @@ class DeltaMHAR(DepthRouter):
         p, block_start, *sources = stream
         p = p + y
         if (l + 1) % self.block_len == 0:
-            return (p, p, *sources, p - block_start)
+            return (p, p, *sources, (p - block_start).to(y.dtype))
         return (p, block_start, *sources)
 
     def finish(self, stream: Stream) -> Tensor:
