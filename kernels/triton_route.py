@@ -224,7 +224,7 @@ def _backward_apply_kernel(
     tl.store(du_ptr + tl.program_id(0).to(tl.int64) * D + cols, du, mask=mask)
 
 
-ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps); RESULTS.md compares 8 and 16
+ROW_ELEMS_PER_THREAD = 8  # row-tile elements per thread (sets the warps); 16: faster at d = 2048, untested on a GPU
 APPLY_ROWS = 32  # rows per program of the elementwise backward pass (its du partial sums: rows / 32 x S x d)
 
 
