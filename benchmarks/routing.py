@@ -3,7 +3,7 @@
 The floor of a memory-bound op is (bytes it must move) / (measured device-to-device copy bandwidth):
 forward reads every source once and writes the mix; backward reads the upstream gradient and every
 source once and writes one gradient per source. The fraction printed is floor / measured. `bwd ms` is
-the backward launcher alone (its three kernels and host work).
+the backward launcher alone (its two kernels and host work).
 
     python benchmarks/routing.py [--tokens 16384] [--out results.json]
     python benchmarks/routing.py --tokens 8192 --apply-rows 32   # device time per kernel and launch shape
