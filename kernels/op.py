@@ -7,7 +7,7 @@ The autograd context saves only the sources (references) and the per-head log-su
 recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
 The ops take the folded query `u = query * norm_weight` and return the partial sums of its gradient:
 folding, reducing and the chain rule to the parameters stay in traced code, which Inductor fuses, so the
-ops themselves do nothing per call besides launching their kernels (host time matters: about 50 calls a step).
+ops do little per call besides launching their kernels (host time matters: about 50 calls a step).
 """
 
 import functools

@@ -225,7 +225,7 @@ def _backward_apply_kernel(
 
 
 ROW_ELEMS_PER_THREAD = 8  # row-tile elements per thread (sets the warps); 16: faster at d = 2048, untested on a GPU
-APPLY_ROWS = 32  # rows per program of the elementwise backward pass (its du partial sums: rows / 32 x S x d)
+APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
 
 def _interpreted() -> bool:
