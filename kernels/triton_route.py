@@ -262,14 +262,20 @@ def _table(
     Returns it with the views it points into (kept alive until launch), whether every address and
     row offset is 16-byte aligned, and the load kinds of source 0 and of the others (see `_issue`).
     A table is a pure function of its content, so it is built once (in pinned memory, copied without a
-    sync) and then reused from a cache keyed by that content and the stream.
+    sync) and then reused from a cache keyed by that content and the stream. Cached tables may be freed,
+    and a graph replay would re-read freed memory, so capture into a CUDA graph is refused.
     """
+    device = sources[0].device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fused depth routing cannot be captured in a CUDA graph (its pointer tables live on the host side); "
+            "compile without mode='reduce-overhead' or use MHAR_ROUTE_BACKEND=reference"
+        )
     views, entries = [], []
     for n, v in enumerate(sources):
         v2, s0, s1 = _rows(v, lead)
         views.append(v2)
         entries += (v2.data_ptr(), s0, s1, _TAGS[v2.dtype], grads[n].data_ptr() if grads else 0)
-    device = sources[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream, views[0].shape[-1], *entries)
     if key not in _TABLES:

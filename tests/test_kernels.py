@@ -203,6 +203,16 @@ def test_dispatch(monkeypatch):
         resolve_backend("cuda", x)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_graph_capture_is_refused_cuda():
+    """A replayed graph would read pointer tables the cache may have freed: capture fails with a clear error."""
+    sources, query, gain, _ = make(2, 64, (2, 3), [torch.float32] * 2, device="cuda")
+    depth_route(sources, query, gain, 2, backend="triton")
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            depth_route(sources, query, gain, 2, backend="triton")
+
+
 def test_heads_must_divide_width():
     with pytest.raises(ValueError, match="must divide"):
         x = torch.randn(2, 12, device=DEVICE)
