@@ -1,11 +1,14 @@
 """Training-step throughput and peak memory of each residual strategy, as a ratio to `sum` in the same run.
 
-Every step is forward, backward and a fused AdamW step on one fixed batch, under bf16 autocast, with
-each transformer block compiled on its own (`block.compile()`). Tokens/s is the median over the timed
+Every step is forward, backward and a fused AdamW step on one fixed batch in bf16, with each transformer
+block compiled on its own (`block.compile()`). Two precision protocols: `autocast` (fp32 weights under bf16
+autocast, as `precision: bf16-mixed` trains; the embedding and so the first routing source are fp32) and
+`fsdp-bf16` (FSDP2 on one GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and 8b recipes
+train; every routing source is bf16). Tokens/s is the median over the timed
 steps; peak memory is `torch.cuda.max_memory_allocated` over them; host ms is the median time Python
 takes to issue a step (close to the step time means the GPU waits on the host).
 
-    python benchmarks/throughput.py [--presets 100m,350m,1b] [--steps 10] [--out results.json]
+    python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
 """
 
 import argparse
@@ -16,11 +19,14 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import triton
+from torch.distributed.device_mesh import init_device_mesh
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
+from mhar_lightning.parallel import apply_fsdp
 from mhar_lightning.residual import make_residual
 
 SEQ_LEN = 2048
@@ -58,19 +64,21 @@ def profile(step, label: str) -> float:
     return sum(e.self_device_time_total for e in averages) * 1e-6
 
 
-def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool = False) -> dict:
+def run(preset: str, variant: str, precision: str, steps: int, warmup: int, with_profile: bool = False) -> dict:
     cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
     name, kwargs = VARIANTS[variant]
     model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
     for block in model.blocks:
         block.compile()
+    if precision == "fsdp-bf16":
+        apply_fsdp(model, init_device_mesh("cuda", (1,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(0, cfg.vocab_size, (BATCH[preset], SEQ_LEN + 1), generator=gen).cuda()
     x, y = data[:, :-1], data[:, 1:]
 
     def step() -> None:
-        with torch.autocast("cuda", torch.bfloat16):
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()
@@ -95,11 +103,12 @@ def run(preset: str, variant: str, steps: int, warmup: int, with_profile: bool =
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     peak = torch.cuda.max_memory_allocated()
-    kernel_s = profile(step, f"{preset} {variant}") if with_profile else None
+    kernel_s = profile(step, f"{preset} {variant} {precision}") if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
     row = {
         "preset": preset,
         "variant": variant,
+        "precision": precision,
         "batch": BATCH[preset],
         "step_s": statistics.median(times),
         "tok_s": tokens / statistics.median(times),
@@ -116,11 +125,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="100m,350m,1b")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--precisions", default="autocast", help="autocast and/or fsdp-bf16, comma-separated")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print each variant's GPU time per kernel")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
+    unknown = set(precisions) - {"autocast", "fsdp-bf16"}
+    if unknown:
+        parser.error(f"unknown precision {sorted(unknown)}: use autocast and/or fsdp-bf16")
+    if "fsdp-bf16" in precisions:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
     allow_recompiles()
     torch.backends.cuda.matmul.allow_tf32 = True
     print(
@@ -129,28 +147,32 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    for preset in args.presets.split(","):
-        for variant in args.variants.split(","):
-            row = run(preset, variant, args.steps, args.warmup, args.profile)
-            gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
-            torch.cuda.empty_cache()
-            torch._dynamo.reset()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(rows, f, indent=1)
+    runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
+    for preset, precision, variant in runs:
+        row = run(preset, variant, precision, args.steps, args.warmup, args.profile)
+        gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
     print(
-        f"{'preset':>6} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} "
+        f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} "
         f"{'step ms':>8} {'host ms':>8} {'compile s':>9}"
     )
     for r in rows:
-        base = next((b for b in rows if b["preset"] == r["preset"] and b["variant"] == "sum"), r)
+        same = [b for b in rows if (b["preset"], b["precision"]) == (r["preset"], r["precision"])]
+        base = next((b for b in same if b["variant"] == "sum"), r)
         print(
-            f"{r['preset']:>6} {r['variant']:>16} {r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
+            f"{r['preset']:>6} {r['precision']:>9} {r['variant']:>16} "
+            f"{r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
             f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} "
             f"{r['step_s'] * 1e3:8.1f} {r['host_s'] * 1e3:8.1f} {r['compile_s']:9.1f}"
         )
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
