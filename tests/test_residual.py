@@ -146,6 +146,30 @@ def test_delta_block_deltas_take_the_sublayer_output_dtype():
     torch.testing.assert_close(delta, ((emb + y0 + y1) - emb).bfloat16())
 
 
+@pytest.mark.parametrize("residual", [MHAR(heads=2, blocks=2), DeltaMHAR(heads=2, block_size=1)], ids=repr)
+def test_routing_sources_take_the_autocast_dtype(residual):
+    """Under autocast the embedding is routed in bf16 like the sublayer outputs; delta-MHAR's p stays fp32."""
+    router = Decoder(ModelConfig.preset("tiny", n_layers=2), residual).final_residual
+    emb = torch.randn(1, 2, 64)
+    assert all(v.dtype == torch.float32 for v in router.start(emb))
+    with torch.autocast("cpu", torch.bfloat16):
+        stream = router.start(emb)
+    sources = stream if isinstance(residual, MHAR) else stream[2:]
+    assert all(v.dtype == torch.bfloat16 for v in sources)
+    assert torch.equal(sources[-1], emb.bfloat16())
+    if isinstance(residual, DeltaMHAR):
+        assert stream[0] is emb and stream[1] is emb
+
+
+def test_delta_mhar_is_bit_identical_to_sum_at_init_under_autocast():
+    config = ModelConfig.preset("tiny", tie_embeddings=False)
+    standard, delta = twin_models(SumResidual(), DeltaMHAR(heads=4, block_size=2), config)
+    delta.load_state_dict(standard.state_dict(), strict=False)
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(standard(tokens), delta(tokens))
+
+
 def saved_bytes(model: Decoder, tokens: torch.Tensor) -> int:
     """Bytes of distinct storages that autograd saves for backward during one forward."""
     storages = {}

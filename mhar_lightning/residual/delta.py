@@ -5,7 +5,7 @@ from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.residual.base import Stream, register_residual
-from mhar_lightning.residual.routed import DepthRouter
+from mhar_lightning.residual.routed import DepthRouter, routing_source
 
 
 @register_residual("delta-mhar")
@@ -14,8 +14,8 @@ class DeltaMHAR(DepthRouter):
 
     The gate `a_l` starts at zero, so a converted pretrained model computes exactly what it did before.
     A block spans `block_size` transformer blocks; its delta is p at its end minus p at its start, kept in
-    the dtype of the sublayer outputs (bf16 under autocast, like MHAR's block sums; p itself stays fp32),
-    which halves what every later routing call reads.
+    the dtype of the sublayer outputs (bf16 under autocast, like MHAR's block sums and the embedding source;
+    p itself stays fp32), which halves what every later routing call reads.
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...).
     """
 
@@ -42,7 +42,8 @@ class DeltaMHAR(DepthRouter):
                 nn.init.zeros_(getattr(self, name))
 
     def start(self, embedding: Tensor) -> Stream:
-        return (embedding, embedding, self.null.to(embedding.dtype).expand_as(embedding), embedding)
+        source = routing_source(embedding)
+        return (embedding, embedding, self.null.to(source.dtype).expand_as(source), source)
 
     def read(self, stream: Stream, l: int) -> Tensor:
         return stream[0] + self.gate[self.site(l)] * self.route(stream[2:], l)

@@ -16,6 +16,17 @@ from mhar_lightning.residual.base import Residual, Stream, register_residual
 KEY_NORM_EPS = 1e-6
 
 
+def routing_source(embedding: Tensor) -> Tensor:
+    """The embedding as a routing source: in the autocast dtype while autocast is on, like the sublayer outputs.
+
+    An fp32 source would make every routing call read it, write its gradient and produce its mix in fp32.
+    """
+    device = embedding.device.type
+    if torch.is_autocast_enabled(device):
+        return embedding.to(torch.get_autocast_dtype(device))
+    return embedding
+
+
 @dataclass
 class DepthCapture:
     """What routing sites saw during captured forwards, keyed by sublayer (`n_sublayers` is the final read).
@@ -58,6 +69,9 @@ class DepthRouter(Residual):
         if hasattr(self, "query"):
             nn.init.zeros_(self.query)
             nn.init.ones_(self.key_norm)
+
+    def start(self, embedding: Tensor) -> Stream:
+        return (routing_source(embedding),)
 
     def route(self, sources: Stream, l: int) -> Tensor:
         """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
