@@ -120,6 +120,8 @@ def main() -> None:
         callbacks=callbacks,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    if torch.distributed.is_initialized():  # gloo threads left running at exit can abort the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
