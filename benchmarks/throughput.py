@@ -2,11 +2,11 @@
 
 Every step is forward, backward and a fused AdamW step on one fixed batch in bf16, with each transformer
 block compiled on its own (`block.compile()`). Two precision protocols: `autocast` (fp32 weights under bf16
-autocast, as `precision: bf16-mixed` trains; the embedding and so the first routing source are fp32) and
-`fsdp-bf16` (FSDP2 on one GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and 8b recipes
-train; every routing source is bf16). Tokens/s is the median over the timed
-steps; peak memory is `torch.cuda.max_memory_allocated` over them; host ms is the median time Python
-takes to issue a step (close to the step time means the GPU waits on the host).
+autocast, as `precision: bf16-mixed` trains; the residual stream stays fp32) and `fsdp-bf16` (FSDP2 on one
+GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and 8b recipes train; FSDP2's hooks add
+host time). Tokens/s is the median over the timed steps; peak memory is `torch.cuda.max_memory_allocated`
+over them; host ms is the median time Python takes to issue a step (close to the step time means the GPU
+waits on the host).
 
     python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
 """
