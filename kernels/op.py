@@ -5,7 +5,9 @@ itself a custom op, so `torch.compile(fullgraph=True)` traces a block through it
 breaks and checkpoint recomputation simply calls it again (no state is kept across calls).
 The autograd context saves only the sources (references) and the per-head log-sum-exp: the backward
 recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
-The ops take the folded query `u = query * norm_weight` and return the partial sums of its gradient:
+The ops take Q folded queries `u = query * norm_weight` ([Q, d]: every query reads the sources in the same
+pass, so the sublayers that route over identical sources share one call and one gradient write per source)
+and return the partial sums of their gradient:
 folding, reducing and the chain rule to the parameters stay in traced code, which Inductor fuses, so the
 ops do little per call besides launching their kernels (host time matters: about 50 calls a step).
 """
@@ -21,15 +23,15 @@ from torch import Tensor
 
 @torch.library.custom_op("mhar::depth_route", mutates_args=())
 def route(sources: list[Tensor], u: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
-    """Mix [..., d] (bf16 if all sources are bf16, else fp32) and per-head log-sum-exp [..., heads] (fp32)."""
+    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and log-sum-exps [Q, ..., heads] (fp32)."""
     return triton_route.route_forward(sources, u, heads, eps)
 
 
 @route.register_fake
 def _route_fake(sources, u, heads, eps):
-    lead = sources[0].shape[:-1]
-    out = sources[0].new_empty((*lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
-    return out, sources[0].new_empty((*lead, heads), dtype=torch.float32)
+    lead, n_queries = sources[0].shape[:-1], u.shape[0]
+    out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
+    return out, sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
 
 
 @torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
@@ -41,7 +43,7 @@ def route_backward(
     heads: int,
     eps: float,
 ) -> list[Tensor]:
-    """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, d]."""
+    """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
     grads, du_parts = triton_route.route_backward(grad_out, lse, sources, u, heads, eps)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
@@ -50,7 +52,7 @@ def route_backward(
 @route_backward.register_fake
 def _route_backward_fake(grad_out, lse, sources, u, heads, eps):
     rows = sources[0].shape[:-1].numel()
-    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), u.shape[-1]), dtype=torch.float32)
+    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
@@ -74,6 +76,9 @@ route.register_autograd(_backward, setup_context=_setup_context)
 def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
     """The fused route with the reference's contract (shapes, checks, promoted output dtype).
 
+    `query` and `norm_weight` are [d] (output [..., d]) or [Q, d] for Q queries over the same sources in one
+    pass (output [Q, ..., d]).
+
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
@@ -86,5 +91,6 @@ def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, h
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    out, _ = route(sources, query.float() * norm_weight.float(), heads, eps)
-    return out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
+    out, _ = route(sources, (query.float() * norm_weight.float()).reshape(-1, d), heads, eps)
+    out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
+    return out if query.dim() == 2 else out[0]

@@ -57,7 +57,10 @@ def depth_route(
     logit[n, h] = query[h] . RMSNorm_g(v_n)[h]  (RMS over the full width, no 1/sqrt(d) scale);
     out[h] = sum_n softmax_n(logit[:, h]) * v_n[h].  The sources are never stacked, so saved
     activation memory stays linear in depth.  The output has the promoted dtype of the sources.
+    A [Q, d] query (and norm weight) routes Q queries over the same sources: output [Q, ..., d].
     """
+    if query.dim() == 2:  # Q queries: [Q, ..., d]
+        return torch.stack([depth_route(sources, q, g, heads, eps) for q, g in zip(query, norm_weight, strict=True)])
     weights = depth_weights(sources, query, norm_weight, heads, eps)
     d = query.shape[-1]
     out = sum(weights[..., n, None] * v.unflatten(-1, (heads, d // heads)) for n, v in enumerate(sources))

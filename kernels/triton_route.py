@@ -80,131 +80,147 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(u_ptr, H, DH, BH: tl.constexpr, BDH: tl.constexpr):
-    """The [heads, head size] tile of one row: head index, mask, column offsets and the folded query."""
+def _row_tile(u_ptr, Q, H, DH, D, BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr):
+    """The [heads, head size] tile of one row (head index, mask, column offsets) and the folded queries as a
+    [queries, heads, head size] tile with their query index and mask."""
     h = tl.arange(0, BH)
     j = tl.arange(0, BDH)
     mask = (h < H)[:, None] & (j < DH)[None, :]
     cols = h[:, None] * DH + j[None, :]
-    return h, mask, cols, tl.load(u_ptr + cols, mask=mask, other=0.0)
+    qi = tl.arange(0, BQ)
+    qmask = (qi < Q)[:, None, None] & mask[None, :, :]
+    u = tl.load(u_ptr + qi[:, None, None] * D + cols[None, :, :], mask=qmask, other=0.0)
+    return h, mask, cols, qi, qmask, u
 
 
 @triton.jit
 def _mix_step(x, u, m, z_sum, acc, D, eps):
-    """Online-softmax update of the per-head running max, normaliser and mix with one more source row x."""
+    """Online-softmax update of every query's per-head running max, normaliser and mix with one more source
+    row x (the RMS is shared by the queries)."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    z = r * tl.sum(x * u, axis=1)
+    z = r * tl.sum(x[None, :, :] * u, axis=2)
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     e = tl.exp(z - m_new)
-    return m_new, z_sum * alpha + e, acc * alpha[:, None] + e[:, None] * x
+    return m_new, z_sum * alpha + e, acc * alpha[:, :, None] + e[:, :, None] * x[None, :, :]
 
 
 @triton.jit
 def _forward_kernel(
-    table, S, u_ptr, out_ptr, lse_ptr, M1, D, H, DH, eps,
-    BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, Q, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
+    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """One row per program: source 0 (kind K0), then sources 1.. (kind KR) with two loads in flight."""
+    """One row per program, all queries at once: source 0 (kind K0), then sources 1.. (kind KR) with two
+    loads in flight."""
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
+    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
     x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
     a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
-    m, z_sum = tl.full([BH], float("-inf"), tl.float32), tl.zeros([BH], tl.float32)
-    m, z_sum, acc = _mix_step(_value(x32, x16, K0), u, m, z_sum, tl.zeros([BH, BDH], tl.float32), D, eps)
+    m, z_sum = tl.full([BQ, BH], float("-inf"), tl.float32), tl.zeros([BQ, BH], tl.float32)
+    acc = tl.zeros([BQ, BH, BDH], tl.float32)
+    m, z_sum, acc = _mix_step(_value(x32, x16, K0), u, m, z_sum, acc, D, eps)
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         m, z_sum, acc = _mix_step(_value(a32, a16, KR), u, m, z_sum, acc, D, eps)
         a32, a16, b32, b16 = b32, b16, c32, c16
-    out = acc / z_sum[:, None]
-    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + row * H + h, m + tl.log(z_sum), mask=h < H)
+    out = acc / z_sum[:, :, None]
+    at = qi[:, None, None] * (M * D) + row * D + cols[None, :, :]
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=qmask)
+    hq = qi[:, None] * (M * H) + row * H + h[None, :]
+    tl.store(lse_ptr + hq, m + tl.log(z_sum), mask=(qi < Q)[:, None] & (h < H)[None, :])
 
 
 @triton.jit
-def _stats_step(x, u, go, lse, delta, at, h, H, r_at, p_ptr, q_ptr, c_ptr, D, eps):
+def _stats_step(x, u, go, lse, delta, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, eps):
     """For one source row x: store z, s and r (in the p, q, c buffers) and add p s to delta."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    z = r * tl.sum(x * u, axis=1)
-    s = tl.sum(go * x, axis=1)
-    tl.store(p_ptr + at + h, z, mask=h < H)
-    tl.store(q_ptr + at + h, s, mask=h < H)
+    z = r * tl.sum(x[None, :, :] * u, axis=2)
+    s = tl.sum(go * x[None, :, :], axis=2)
+    tl.store(p_ptr + at, z, mask=hmask)
+    tl.store(q_ptr + at, s, mask=hmask)
     tl.store(c_ptr + r_at, r)
     return delta + tl.exp(z - lse) * s
 
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, u_ptr, gout_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M1, D, H, DH, eps,
-    BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, Q, u_ptr, gout_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
+    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """Per row (one program each, like the forward), the coefficients of every source's gradient:
-    p[n, h] (softmax weight), q[n, h] = r[n] dz[n, h] and c[n] = -r[n]^2 / D sum_h dz[n, h] z[n, h], where
-    dz = p (s - delta), s[n, h] = <go[h], v_n[h]> and delta[h] = sum_n p[n, h] s[n, h] = <go[h], mix[h]>
+    """Per row (one program each, like the forward), the coefficients of every source's gradient, per query k:
+    p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
+    dz = p (s - delta), s[n, k, h] = <go_k[h], v_n[h]> and delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
     (exact, without reading a rounded mix). The loop over sources leaves z, s and r in the p, q and c
     buffers; once delta is complete, a second loop over those small values turns them into p, q and c.
     """
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
+    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
     x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
     a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
-    go = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + row * H + h, mask=h < H, other=0.0)
-    delta = tl.zeros([BH], tl.float32)
+    go = tl.load(gout_ptr + qi[:, None, None] * (M * D) + row * D + cols[None, :, :], mask=qmask, other=0.0)
+    go = go.to(tl.float32)
+    hmask = (qi < Q)[:, None] & (h < H)[None, :]
+    lse = tl.load(lse_ptr + qi[:, None] * (M * H) + row * H + h[None, :], mask=hmask, other=0.0)
+    qh = qi[:, None] * H + h[None, :]
+    delta = tl.zeros([BQ, BH], tl.float32)
     x = _value(x32, x16, K0)
-    delta = _stats_step(x, u, go, lse, delta, row * S * H, h, H, row * S, p_ptr, q_ptr, c_ptr, D, eps)
+    delta = _stats_step(x, u, go, lse, delta, row * S * Q * H + qh, hmask, row * S, p_ptr, q_ptr, c_ptr, D, eps)
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
-        at = (row * S + n) * H
-        delta = _stats_step(_value(a32, a16, KR), u, go, lse, delta, at, h, H, row * S + n, p_ptr, q_ptr, c_ptr, D, eps)
+        at = (row * S + n) * Q * H + qh
+        x = _value(a32, a16, KR)
+        delta = _stats_step(x, u, go, lse, delta, at, hmask, row * S + n, p_ptr, q_ptr, c_ptr, D, eps)
         a32, a16, b32, b16 = b32, b16, c32, c16
     tl.debug_barrier()  # the second loop reads values other threads of this program stored
     for n in range(S):
-        at = (row * S + n) * H + h
-        z = tl.load(p_ptr + at, mask=h < H, other=0.0)
+        at = (row * S + n) * Q * H + qh
+        z = tl.load(p_ptr + at, mask=hmask, other=0.0)
         p = tl.exp(z - lse)
-        dz = p * (tl.load(q_ptr + at, mask=h < H, other=0.0) - delta)
+        dz = p * (tl.load(q_ptr + at, mask=hmask, other=0.0) - delta)
         r = tl.load(c_ptr + row * S + n)
         tl.debug_barrier()  # every thread has read z, s and r before any overwrites them
-        tl.store(p_ptr + at, p, mask=h < H)
-        tl.store(q_ptr + at, r * dz, mask=h < H)
-        tl.store(c_ptr + row * S + n, -r * r / D * tl.sum(tl.where(h < H, dz * z, 0.0)))
+        tl.store(p_ptr + at, p, mask=hmask)
+        tl.store(q_ptr + at, r * dz, mask=hmask)
+        tl.store(c_ptr + row * S + n, -r * r / D * tl.sum(tl.sum(tl.where(hmask, dz * z, 0.0), axis=1)))
 
 
 @triton.jit
 def _apply_rows(
-    table, S, n, first, count, u, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M1, D, H,
-    BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sum of q v_n."""
-    du = tl.zeros([BH, BDH], tl.float32)
+    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sum of q v_n
+    per query."""
+    du = tl.zeros([BQ, BH, BDH], tl.float32)
+    hmask = (qi < Q)[:, None] & (h < H)[None, :]
+    qh = qi[:, None] * H + h[None, :]
     for i in range(count):
         row = first + i
-        at = (row * S + n) * H + h
-        p = tl.load(p_ptr + at, mask=h < H, other=0.0)[:, None]
-        q = tl.load(q_ptr + at, mask=h < H, other=0.0)[:, None]
+        at = (row * S + n) * Q * H + qh
+        p = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, :, None]
+        q = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, :, None]
         c = tl.load(c_ptr + row * S + n)
-        go = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        go = tl.load(gout_ptr + qi[:, None, None] * (M * D) + row * D + cols[None, :, :], mask=qmask, other=0.0)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
         x = _value(x32, x16, KIND)
-        _store(table, n, row, D, cols, mask, p * go + q * u + c * x, ALIGN)
-        du += q * x
+        _store(table, n, row, D, cols, mask, tl.sum(p * go.to(tl.float32) + q * u, axis=0) + c * x, ALIGN)
+        du += q * x[None, :, :]
     return du
 
 
 @triton.jit
 def _backward_apply_kernel(
-    table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH,
-    BR: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, Q, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
+    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """dv_n = p[n, h] go + q[n, h] u + c[n] v_n for BR rows of source n, and their partial sum of
-    du = sum over rows of q[n, h] v_n (reduced over row blocks by the caller).
+    """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
+    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller).
 
     Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
     without gathers and addresses are computed once per 16-byte vector.
@@ -212,16 +228,19 @@ def _backward_apply_kernel(
     n = tl.program_id(0) % S
     first = (tl.program_id(0) // S).to(tl.int64) * BR
     count = tl.minimum(M - first, BR)
-    h, mask, cols, u = _row_tile(u_ptr, H, DH, BH, BDH)
+    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
     if n == 0:  # uniform per program: each branch loads with its own kind
         du = _apply_rows(
-            table, S, n, first, count, u, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M1, D, H, BH, BDH, K0, ALIGN
-        )
+            table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BQ, BH, BDH, K0, ALIGN,
+        )  # fmt: skip
     else:
         du = _apply_rows(
-            table, S, n, first, count, u, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M1, D, H, BH, BDH, KR, ALIGN
-        )
-    tl.store(du_ptr + tl.program_id(0).to(tl.int64) * D + cols, du, mask=mask)
+            table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BQ, BH, BDH, KR, ALIGN,
+        )  # fmt: skip
+    at = tl.program_id(0).to(tl.int64) * Q * D + qi[:, None, None] * D + cols[None, :, :]
+    tl.store(du_ptr + at, du, mask=qmask)
 
 
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
@@ -313,38 +332,26 @@ def out_dtype(sources: Sequence[Tensor]) -> torch.dtype:
 def route_forward(
     sources: Sequence[Tensor], u: Tensor, heads: int, eps: float, out: Tensor | None = None, lse: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Forward route with the folded query `u = query * norm_weight` (fp32, [d]).
+    """Forward route for Q folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources.
 
-    Returns the mix [..., d] (bf16 if all sources are bf16, else fp32) and the per-head
-    log-sum-exp [..., heads] in fp32. `out` / `lse` may be given as destination buffers.
+    Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and the per-head
+    log-sum-exps [Q, ..., heads] in fp32. `out` / `lse` may be given as destination buffers.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    n_queries = u.shape[0]
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
     if out is None:
-        out = torch.empty(*lead, d, dtype=out_dtype(sources), device=u.device)
+        out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
-        lse = torch.empty(*lead, heads, dtype=torch.float32, device=u.device)
+        lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     if rows:
         _forward_kernel[(rows,)](
-            table,
-            len(sources),
-            u.contiguous(),
-            out,
-            lse,
-            views[0].shape[1],
-            d,
-            heads,
-            d // heads,
-            eps,
-            BH=bh,
-            BDH=bdh,
-            K0=k0,
-            KR=kr,
-            ALIGN=aligned and (d // heads) % 8 == 0,
-            num_warps=warps,
-        )
+            table, len(sources), n_queries, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads,
+            eps, BQ=triton.next_power_of_2(n_queries), BH=bh, BDH=bdh, K0=k0, KR=kr,
+            ALIGN=aligned and (d // heads) % 8 == 0, num_warps=warps,
+        )  # fmt: skip
     return out, lse
 
 
@@ -357,34 +364,37 @@ def route_backward(
     eps: float,
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
-    """Gradients of the route: one per source (its dtype, contiguous) and the partial sums of
-    du = dL/d(query * norm_weight), [du_blocks(rows, S), d] in fp32 (their sum over dim 0 is du).
+    """Gradients of the route of Q queries (`grad_out` [Q, ..., d]): one per source (its dtype, contiguous,
+    summed over the queries) and the partial sums of du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d]
+    in fp32 (their sum over dim 0 is du).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
     is reduced deterministically, without atomics.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    n_queries = u.shape[0]
     if grads is None:
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
     rows, S, dh = lead.numel(), len(sources), d // heads
-    du = torch.empty(du_blocks(rows, S), d, dtype=torch.float32, device=u.device)
+    du = torch.empty(du_blocks(rows, S), n_queries, d, dtype=torch.float32, device=u.device)
     if rows == 0:
         return list(grads), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
-    p = torch.empty(rows, S, heads, dtype=torch.float32, device=u.device)
+    p = torch.empty(rows, S, n_queries, heads, dtype=torch.float32, device=u.device)
     q = torch.empty_like(p)
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
+    bq = triton.next_power_of_2(n_queries)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
-        table, S, u, grad_out, lse, p, q, c, views[0].shape[1], d, heads, dh, eps,
-        BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
+        table, S, n_queries, u, grad_out, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
+        BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
     )  # fmt: skip
     _backward_apply_kernel[(du.shape[0],)](
-        table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
-        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
+        table, S, n_queries, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
+        BR=APPLY_ROWS, BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
     )  # fmt: skip
     return list(grads), du

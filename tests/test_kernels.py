@@ -16,13 +16,15 @@ def rel(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
     return ((a.double() - b.double()).norm() / max(b.double().norm().item(), scale, 1e-30)).item()
 
 
-def make(S, d, lead, dtypes, device=DEVICE, seed=0):
-    """Fresh random sources (dtype per source), query and gain; the gain is away from 1, the query nonzero."""
+def make(S, d, lead, dtypes, device=DEVICE, seed=0, queries=None):
+    """Fresh random sources (dtype per source), query and gain ([queries, d] if given, else [d]) and upstream
+    gradient; the gain is away from 1, the query nonzero."""
     gen = torch.Generator().manual_seed(seed)
     sources = [(torch.randn(*lead, d, generator=gen) * (0.5 + n)).to(device, dt) for n, dt in enumerate(dtypes)]
-    query = (torch.randn(d, generator=gen) * 0.5).to(device)
-    gain = (1 + 0.2 * torch.randn(d, generator=gen)).to(device)
-    grad_out = torch.randn(*lead, d, generator=gen).to(device)
+    q_shape = (d,) if queries is None else (queries, d)
+    query = (torch.randn(q_shape, generator=gen) * 0.5).to(device)
+    gain = (1 + 0.2 * torch.randn(q_shape, generator=gen)).to(device)
+    grad_out = torch.randn(*q_shape[:-1], *lead, d, generator=gen).to(device)
     return sources, query, gain, grad_out
 
 
@@ -84,10 +86,28 @@ def test_source_dtype_patterns(dtypes):
     check_against_reference(sources, query, gain, grad_out, 8, TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("queries", [2, 3])
+@pytest.mark.parametrize(
+    "S,d,heads,dtypes",
+    [(1, 8, 1, "fp32"), (4, 40, 8, "mixed"), (3, 192, 2, "bf16"), (6, 24, 4, "mixed")],
+)
+def test_several_queries_match_reference(queries, S, d, heads, dtypes):
+    """Q queries over the same sources in one pass (3 pads the query tile to 4): each mix, the source gradients
+    summed over the queries and every query's and gain's gradient match Q separate fp64 routes."""
+    first = torch.float32 if dtypes != "bf16" else torch.bfloat16
+    rest = torch.float32 if dtypes == "fp32" else torch.bfloat16
+    kinds = [first] + [rest] * (S - 1)
+    sources, query, gain, grad_out = make(S, d, (2, 3), kinds, seed=S + d, queries=queries)
+    tol = TOL[torch.float32 if dtypes == "fp32" else torch.bfloat16]
+    check_against_reference(sources, query, gain, grad_out, heads, tol)
+
+
 def test_rows_span_several_gradient_blocks():
     """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
     assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
     sources, query, gain, grad_out = make(3, 24, (5, 15), [torch.float32, torch.bfloat16, torch.float32], seed=7)
+    check_against_reference(sources, query, gain, grad_out, 4, TOL[torch.bfloat16])
+    sources, query, gain, grad_out = make(3, 24, (5, 15), [torch.bfloat16] * 3, seed=8, queries=2)
     check_against_reference(sources, query, gain, grad_out, 4, TOL[torch.bfloat16])
 
 
@@ -118,12 +138,12 @@ def test_more_leading_dims_and_other_dtypes():
 
 
 def test_outputs_fully_overwritten():
-    """Buffers poisoned with NaN are completely written by both kernels."""
+    """Buffers poisoned with NaN are completely written by both kernels (two queries)."""
     S, d, heads = 3, 40, 8
-    sources, query, gain, grad_out = make(S, d, (2, 3), [torch.float32] * S)
+    sources, query, gain, grad_out = make(S, d, (2, 3), [torch.float32] * S, queries=2)
     u = query * gain
-    out = torch.full((2, 3, d), float("nan"), device=DEVICE)
-    lse = torch.full((2, 3, heads), float("nan"), device=DEVICE)
+    out = torch.full((2, 2, 3, d), float("nan"), device=DEVICE)
+    lse = torch.full((2, 2, 3, heads), float("nan"), device=DEVICE)
     triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     grads = [torch.full_like(v, float("nan")) for v in sources]
@@ -150,7 +170,7 @@ def test_checkpointed_and_deterministic():
 
 
 def test_opcheck():
-    sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32])
+    sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32], queries=2)
     u = query * gain
     out, lse = op.route(sources, u, 4, 1e-6)
     torch.library.opcheck(op.route_backward, (grad_out, lse, sources, u, 4, 1e-6))
@@ -224,6 +244,8 @@ def test_heads_must_divide_width():
 @pytest.mark.parametrize("S,d,heads", [(1, 1536, 1), (9, 1536, 8), (17, 3072, 16), (64, 1024, 2), (5, 2048, 4)])
 def test_matches_reference_cuda(S, d, heads, dtype):
     sources, query, gain, grad_out = make(S, d, (4, 33), [dtype] * S, device="cuda", seed=S + d + heads)
+    check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
+    sources, query, gain, grad_out = make(S, d, (4, 33), [dtype] * S, device="cuda", seed=S + d, queries=2)
     check_against_reference(sources, query, gain, grad_out, heads, TOL[dtype])
 
 
