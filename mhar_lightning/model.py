@@ -95,6 +95,7 @@ class Block(nn.Module):
 
     def forward(self, stream: Stream, rope: Rope) -> Stream:
         l = 2 * self.index
+        stream = self.residual.enter(stream, l)
         y = self.attn(self.attn_norm(self.residual.read(stream, l)), rope)
         stream = self.residual.write(stream, l, y)
         y = self.mlp(self.mlp_norm(self.residual.read(stream, l + 1)))

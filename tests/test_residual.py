@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from mhar_lightning.kernels import ENV_BACKEND, reference
 from torch import nn
 
 from mhar_lightning.config import ModelConfig
@@ -127,7 +128,7 @@ def test_delta_mhar_is_bit_identical_to_sum_at_init_then_moves():
 def test_delta_block_deltas_are_stream_differences():
     router = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1)).blocks[0].residual
     emb = torch.randn(1, 2, 64)
-    stream = (emb, emb, torch.zeros(1, 2, 64), emb)
+    stream = router.enter((emb, emb, torch.zeros(1, 2, 64), emb), 0)
     y0, y1 = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
     stream = router.write(router.write(stream, 0, y0), 1, y1)
     p, block_start, null, embedding, delta = stream
@@ -136,12 +137,37 @@ def test_delta_block_deltas_are_stream_differences():
     assert block_start is p and embedding is emb
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_delta_reads_both_sublayers_of_a_block_in_one_route(monkeypatch, backend):
+    """`enter` routes the attention and MLP reads of a transformer block together; each read equals
+    p + gate * (its own single-query fp64 route over the block's sources)."""
+    monkeypatch.setenv(ENV_BACKEND, backend)
+    model = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1))
+    randomize_routing(model)
+    router = model.blocks[1].residual
+    assert router.gate.abs().min() > 0 and not torch.equal(router.query[0], router.query[1])
+    emb, extra, y0 = torch.randn(1, 3, 64), torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    sources = [torch.randn(64).expand(1, 3, 64), emb, extra]
+    stream = router.enter((emb, emb, *sources), 2)
+
+    def expected(p, l):
+        j = router.site(l)
+        query, gain = router.query[j].double(), router.key_norm[j].double()
+        mix = reference.depth_route([v.double() for v in sources], query, gain, 2)
+        return p.double() + router.gate[j].double() * mix
+
+    torch.testing.assert_close(router.read(stream, 2).double(), expected(emb, 2), rtol=1e-5, atol=1e-5)
+    stream = router.write(stream, 2, y0)
+    torch.testing.assert_close(router.read(stream, 3).double(), expected(emb + y0, 3), rtol=1e-5, atol=1e-5)
+
+
 def test_delta_block_deltas_take_the_sublayer_output_dtype():
     """Under autocast the stream p stays fp32 while block deltas are stored like the bf16 sublayer outputs."""
     router = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1)).blocks[0].residual
     emb = torch.randn(1, 2, 64)
     y0, y1 = torch.randn(1, 2, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
-    p, _, _, _, delta = router.write(router.write((emb, emb, torch.zeros(1, 2, 64), emb), 0, y0), 1, y1)
+    stream = router.enter((emb, emb, torch.zeros(1, 2, 64), emb), 0)
+    p, _, _, _, delta = router.write(router.write(stream, 0, y0), 1, y1)
     assert p.dtype == torch.float32 and delta.dtype == torch.bfloat16
     torch.testing.assert_close(delta, ((emb + y0 + y1) - emb).bfloat16())
 

@@ -23,11 +23,13 @@ class Residual(nn.Module, ABC):
     `L = 2 * n_layers`), so routing parameters live, shard and checkpoint with their block. Per forward:
 
         stream = final.start(embedding)
-        for each sublayer l:  x = router.read(stream, l);  y = f_l(norm(x));  stream = router.write(stream, l, y)
+        for each transformer block (sublayers l = 2i, 2i + 1):
+            stream = router.enter(stream, l)
+            for l in (2i, 2i + 1):  x = router.read(stream, l);  y = f_l(norm(x));  stream = router.write(stream, l, y)
         h = final.finish(stream)
 
     The stream is a tuple of tensors, so it can cross activation-checkpointed and FSDP-wrapped blocks.
-    Subclasses implement `build` (create parameters), `read`, `write` and, where needed, `start`,
+    Subclasses implement `build` (create parameters), `read`, `write` and, where needed, `start`, `enter`,
     `finish` and `reset_parameters`.
     """
 
@@ -52,6 +54,13 @@ class Residual(nn.Module, ABC):
     def start(self, embedding: Tensor) -> Stream:
         """The stream before sublayer 0 (called on the final router)."""
         return (embedding,)
+
+    def enter(self, stream: Stream, l: int) -> Stream:
+        """The stream that transformer block sublayers `l` and `l + 1` read and write (unchanged by default).
+
+        A strategy whose two reads do not depend on the first sublayer's output can compute both here at once.
+        """
+        return stream
 
     @abstractmethod
     def read(self, stream: Stream, l: int) -> Tensor:

@@ -16,7 +16,11 @@ class DeltaMHAR(DepthRouter):
     A block spans `block_size` transformer blocks; its delta is p at its end minus p at its start, kept in
     the dtype of the sublayer outputs (bf16 under autocast, like MHAR's block sums and the embedding source;
     p itself stays fp32), which halves what every later routing call reads.
-    Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...).
+    Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
+    source is read once and its gradient written once per transformer block) and keeps the two mixes in the
+    stream until the block's last write.
+    Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
+    transformer block the two mixes [2, ..., d] follow the block start.
     """
 
     def __init__(self, heads: int = 8, block_size: int = 4) -> None:
@@ -45,12 +49,18 @@ class DeltaMHAR(DepthRouter):
         source = routing_source(embedding)
         return (embedding, embedding, self.null.to(source.dtype).expand_as(source), source)
 
+    def enter(self, stream: Stream, l: int) -> Stream:
+        p, block_start, *sources = stream
+        return (p, block_start, self.route(sources, l, count=2), *sources)
+
     def read(self, stream: Stream, l: int) -> Tensor:
-        return stream[0] + self.gate[self.site(l)] * self.route(stream[2:], l)
+        return stream[0] + self.gate[self.site(l)] * stream[2][self.site(l)]
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        p, block_start, *sources = stream
+        p, block_start, mixes, *sources = stream
         p = p + y
+        if self.site(l) == 0:
+            return (p, block_start, mixes, *sources)
         if (l + 1) % self.block_len == 0:
             return (p, p, *sources, (p - block_start).to(y.dtype))
         return (p, block_start, *sources)

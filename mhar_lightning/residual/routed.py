@@ -73,12 +73,17 @@ class DepthRouter(Residual):
     def start(self, embedding: Tensor) -> Stream:
         return (routing_source(embedding),)
 
-    def route(self, sources: Stream, l: int) -> Tensor:
-        """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
+    def route(self, sources: Stream, l: int, count: int = 1) -> Tensor:
+        """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read), or with the
+        queries of sublayers l .. l + count - 1 in one pass over the sources ([count, ..., d])."""
         j = self.site(l)
         if self.capture is not None:
-            self.capture.record(l, sources, self.query[j], self.key_norm[j], self.heads)
-        return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+            for i in range(j, j + count):
+                self.capture.record(l + i - j, sources, self.query[i], self.key_norm[i], self.heads)
+        if count == 1:
+            return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+        sites = slice(j, j + count)
+        return depth_route(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, {super().extra_repr()}"
