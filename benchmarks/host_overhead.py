@@ -34,7 +34,7 @@ def main() -> None:
     src = [torch.randn(1, TOKENS, D, device="cuda").to(dt).requires_grad_() for dt in dtypes]
     q = torch.zeros(D, device="cuda", requires_grad=True)
     w = torch.ones(D, device="cuda", requires_grad=True)
-    u, go = (q * w).detach(), torch.randn(1, TOKENS, D, device="cuda")
+    u, go = (q * w).detach()[None], torch.randn(1, TOKENS, D, device="cuda")
     lead = src[0].shape[:-1]
     out, lse = triton_route.route_forward(src, u, HEADS, 1e-6)
     table, _, aligned, k0, kr = triton_route._table(src, lead)
@@ -42,17 +42,17 @@ def main() -> None:
 
     def bare_launch():
         triton_route._forward_kernel[(TOKENS,)](
-            table, S, u, out, lse, TOKENS, D, HEADS, D // HEADS, 1e-6,
-            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, num_warps=warps,
+            table, S, 1, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6,
+            BQ=1, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, num_warps=warps,
         )  # fmt: skip
 
     timeit("torch.empty", lambda: torch.empty(TOKENS, D, device="cuda"))
     timeit("_table (cached)", lambda: triton_route._table(src, lead))
     timeit("bare _forward_kernel launch", bare_launch)
     timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
-    timeit("route_backward (launcher)", lambda: triton_route.route_backward(go, lse, src, u, HEADS, 1e-6))
+    timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
     timeit("op.route (custom op)", lambda: op.route(src, u, HEADS, 1e-6))
-    timeit("op.route_backward (custom op)", lambda: op.route_backward(go, lse, src, u, HEADS, 1e-6))
+    timeit("op.route_backward (custom op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)

@@ -43,7 +43,7 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
     fwd_bytes = src_bytes + out_bytes
     bwd_bytes = out_bytes + 2 * src_bytes
     go = torch.randn(tokens, d, device="cuda", dtype=out_dt)
-    u = (query * gain).detach()
+    u = (query * gain).detach()[None]
     leaves = [*sources, query, gain]
 
     def fwd_bwd(fn):
@@ -53,7 +53,7 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
     row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
     _, lse = triton_route.route_forward(sources, u, heads, 1e-6)
     row["bwd_ms"] = do_bench(
-        lambda: triton_route.route_backward(go, lse, sources, u, heads, 1e-6), return_mode="median"
+        lambda: triton_route.route_backward(go[None], None, lse, sources, u, heads, 1e-6), return_mode="median"
     )
     row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
     row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
@@ -84,17 +84,27 @@ def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
     defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD
     for d, S in ((2048, 5), (2048, 17), (1024, 5), (768, 5)):
         sources, query, gain = make(tokens, d, S, mixed=True)
-        u = (query * gain).detach()
-        go = torch.randn(tokens, d, device="cuda")
+        u = (query * gain).detach()[None]
+        go = torch.randn(1, tokens, d, device="cuda")
         _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
         for rows in map(int, apply_rows.split(",")):
             for elems in (8, 16):
                 triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = rows, elems
                 times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
-                times |= kernel_times(lambda: triton_route.route_backward(go, lse, sources, u, 8, 1e-6))
+                times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6))
                 kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
                 print(f"d={d} S={S} apply rows {rows} elems/thread {elems}: {kernels}", flush=True)
     triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults
+    for d, S in ((2048, 5), (1024, 5), (2048, 17)):  # all-bf16 sources, as in the model under autocast
+        sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
+        for queries in (1, 2):
+            u = 0.1 * torch.randn(queries, d, device="cuda")
+            go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
+            _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
+            times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
+            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6))
+            kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
+            print(f"d={d} S={S} bf16, {queries} queries in one call: {kernels}", flush=True)
 
 
 def main() -> None:

@@ -47,4 +47,25 @@ def depth_route(
     return op.depth_route(sources, query, norm_weight, heads, eps)
 
 
-__all__ = ["BACKENDS", "ENV_BACKEND", "depth_route", "reference", "resolve_backend"]
+def depth_route_lse(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source."""
+    if resolve_backend(backend, sources) == "reference":
+        return reference.depth_route_lse(sources, query, norm_weight, heads, eps)
+    from mhar_lightning.kernels import op
+
+    return op.depth_route_lse(sources, query, norm_weight, heads, eps)
+
+
+merge_source = reference.merge_source
+
+__all__ = [
+    "BACKENDS",
+    "ENV_BACKEND",
+    "depth_route",
+    "depth_route_lse",
+    "merge_source",
+    "reference",
+    "resolve_backend",
+]

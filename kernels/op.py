@@ -37,6 +37,7 @@ def _route_fake(sources, u, heads, eps):
 @torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
 def route_backward(
     grad_out: Tensor,
+    grad_lse: Tensor | None,
     lse: Tensor,
     sources: list[Tensor],
     u: Tensor,
@@ -44,13 +45,13 @@ def route_backward(
     eps: float,
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
-    grads, du_parts = triton_route.route_backward(grad_out, lse, sources, u, heads, eps)
+    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, sources, u, heads, eps)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
 @route_backward.register_fake
-def _route_backward_fake(grad_out, lse, sources, u, heads, eps):
+def _route_backward_fake(grad_out, grad_lse, lse, sources, u, heads, eps):
     rows = sources[0].shape[:-1].numel()
     du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
@@ -58,27 +59,31 @@ def _route_backward_fake(grad_out, lse, sources, u, heads, eps):
 
 def _setup_context(ctx, inputs, output):
     sources, u, heads, eps = inputs
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
+    out, lse = output
     ctx.save_for_backward(lse, u, *sources)
+    ctx.out_meta = (out.shape, out.dtype)
     ctx.heads, ctx.eps = heads, eps
 
 
 def _backward(ctx, grad_out, grad_lse):
     lse, u, *sources = ctx.saved_tensors
-    *grads, du_parts = route_backward(grad_out, lse, sources, u, ctx.heads, ctx.eps)
+    if grad_out is None:  # only the log-sum-exp was used
+        grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
+    *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps)
     return grads, du_parts.sum(0), None, None
 
 
 route.register_autograd(_backward, setup_context=_setup_context)
 
 
-def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
-    """The fused route with the reference's contract (shapes, checks, promoted output dtype).
+def depth_route_lse(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """The fused route with the reference's contract (shapes, checks, promoted output dtype), and the per-head
+    log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
 
-    `query` and `norm_weight` are [d] (output [..., d]) or [Q, d] for Q queries over the same sources in one
-    pass (output [Q, ..., d]).
-
+    `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
+    same sources in one pass (outputs [Q, ..., d] and [Q, ..., heads]).
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
@@ -91,6 +96,11 @@ def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, h
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    out, _ = route(sources, (query.float() * norm_weight.float()).reshape(-1, d), heads, eps)
+    out, lse = route(sources, (query.float() * norm_weight.float()).reshape(-1, d), heads, eps)
     out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
-    return out if query.dim() == 2 else out[0]
+    return (out, lse) if query.dim() == 2 else (out[0], lse[0])
+
+
+def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
+    """The fused route (see `depth_route_lse`) without its log-sum-exp."""
+    return depth_route_lse(sources, query, norm_weight, heads, eps)[0]

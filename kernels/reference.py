@@ -45,6 +45,13 @@ def depth_weights(
     return torch.softmax(depth_logits(sources, query, norm_weight, heads, eps), dim=-1)
 
 
+def _mix(weights: Tensor, sources: Sequence[Tensor], heads: int) -> Tensor:
+    """sum_n weights[..., h, n] * v_n[h], in the promoted dtype of the sources."""
+    d = sources[0].shape[-1]
+    out = sum(weights[..., n, None] * v.unflatten(-1, (heads, d // heads)) for n, v in enumerate(sources))
+    return out.flatten(-2).to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
+
+
 def depth_route(
     sources: Sequence[Tensor],
     query: Tensor,
@@ -59,9 +66,34 @@ def depth_route(
     activation memory stays linear in depth.  The output has the promoted dtype of the sources.
     A [Q, d] query (and norm weight) routes Q queries over the same sources: output [Q, ..., d].
     """
-    if query.dim() == 2:  # Q queries: [Q, ..., d]
+    if query.dim() == 2:
         return torch.stack([depth_route(sources, q, g, heads, eps) for q, g in zip(query, norm_weight, strict=True)])
-    weights = depth_weights(sources, query, norm_weight, heads, eps)
+    return _mix(depth_weights(sources, query, norm_weight, heads, eps), sources, heads)
+
+
+def depth_route_lse(
+    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
+    """`depth_route` and the per-head log-sum-exp of its logits ([..., heads], or [Q, ..., heads])."""
+    if query.dim() == 2:
+        pairs = [depth_route_lse(sources, q, g, heads, eps) for q, g in zip(query, norm_weight, strict=True)]
+        return torch.stack([out for out, _ in pairs]), torch.stack([lse for _, lse in pairs])
+    logits = depth_logits(sources, query, norm_weight, heads, eps)
+    return _mix(torch.softmax(logits, dim=-1), sources, heads), torch.logsumexp(logits, dim=-1)
+
+
+def merge_source(
+    mix: Tensor, lse: Tensor, source: Tensor, query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+) -> Tensor:
+    """The route over [*sources, source] from the route over `sources` (its `mix` and `lse`), exactly.
+
+    The softmax over one more logit rescales the old mix by exp(lse - lse') and adds the new source with
+    exp(z - lse'), where lse' = logaddexp(lse, z): sublayers that share most of their sources route over
+    the shared part once and merge their own last source here.
+    """
     d = query.shape[-1]
-    out = sum(weights[..., n, None] * v.unflatten(-1, (heads, d // heads)) for n, v in enumerate(sources))
-    return out.flatten(-2).to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
+    z = depth_logits([source], query, norm_weight, heads, eps)[..., 0]
+    total = torch.logaddexp(lse, z)
+    old, new = torch.exp(lse - total)[..., None], torch.exp(z - total)[..., None]
+    out = old * mix.unflatten(-1, (heads, d // heads)) + new * source.unflatten(-1, (heads, d // heads))
+    return out.flatten(-2).to(torch.promote_types(mix.dtype, source.dtype))

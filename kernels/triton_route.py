@@ -147,13 +147,15 @@ def _stats_step(x, u, go, lse, delta, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, e
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, Q, u_ptr, gout_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
+    table, S, Q, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
     BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_GLSE: tl.constexpr,
 ):  # fmt: skip
     """Per row (one program each, like the forward), the coefficients of every source's gradient, per query k:
     p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
-    dz = p (s - delta), s[n, k, h] = <go_k[h], v_n[h]> and delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
-    (exact, without reading a rounded mix). The loop over sources leaves z, s and r in the p, q and c
+    dz = p (s - delta + g), s[n, k, h] = <go_k[h], v_n[h]>, delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
+    (exact, without reading a rounded mix) and g[k, h] the upstream gradient of the log-sum-exp (HAS_GLSE;
+    else 0). The loop over sources leaves z, s and r in the p, q and c
     buffers; once delta is complete, a second loop over those small values turns them into p, q and c.
     """
     row = tl.program_id(0).to(tl.int64)
@@ -177,6 +179,8 @@ def _backward_stats_kernel(
         x = _value(a32, a16, KR)
         delta = _stats_step(x, u, go, lse, delta, at, hmask, row * S + n, p_ptr, q_ptr, c_ptr, D, eps)
         a32, a16, b32, b16 = b32, b16, c32, c16
+    if HAS_GLSE:
+        delta -= tl.load(glse_ptr + qi[:, None] * (M * H) + row * H + h[None, :], mask=hmask, other=0.0)
     tl.debug_barrier()  # the second loop reads values other threads of this program stored
     for n in range(S):
         at = (row * S + n) * Q * H + qh
@@ -357,6 +361,7 @@ def route_forward(
 
 def route_backward(
     grad_out: Tensor,
+    grad_lse: Tensor | None,
     lse: Tensor,
     sources: Sequence[Tensor],
     u: Tensor,
@@ -364,7 +369,8 @@ def route_backward(
     eps: float,
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
-    """Gradients of the route of Q queries (`grad_out` [Q, ..., d]): one per source (its dtype, contiguous,
+    """Gradients of the route of Q queries (`grad_out` [Q, ..., d], and `grad_lse` [Q, ..., heads] or None when
+    the log-sum-exps are not used): one per source (its dtype, contiguous,
     summed over the queries) and the partial sums of du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d]
     in fp32 (their sum over dim 0 is du).
 
@@ -384,14 +390,15 @@ def route_backward(
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
+    glse = lse if grad_lse is None else grad_lse.contiguous()  # any fp32 pointer when unused
     p = torch.empty(rows, S, n_queries, heads, dtype=torch.float32, device=u.device)
     q = torch.empty_like(p)
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
     bq = triton.next_power_of_2(n_queries)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
-        table, S, n_queries, u, grad_out, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
-        BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
+        table, S, n_queries, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
+        BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, num_warps=warps,
     )  # fmt: skip
     _backward_apply_kernel[(du.shape[0],)](
         table, S, n_queries, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,

@@ -3,7 +3,16 @@
 import pytest
 import torch
 import torch.utils.checkpoint
-from mhar_lightning.kernels import ENV_BACKEND, depth_route, op, reference, resolve_backend, triton_route
+from mhar_lightning.kernels import (
+    ENV_BACKEND,
+    depth_route,
+    depth_route_lse,
+    merge_source,
+    op,
+    reference,
+    resolve_backend,
+    triton_route,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # small cases run on the card when there is one, else in the interpreter
@@ -102,6 +111,31 @@ def test_several_queries_match_reference(queries, S, d, heads, dtypes):
     check_against_reference(sources, query, gain, grad_out, heads, tol)
 
 
+@pytest.mark.parametrize("queries", [None, 2])
+def test_log_sum_exp_and_merged_source_match_reference(queries):
+    """The op's log-sum-exp and its gradient (used to merge a later source, `merge_source`) vs fp64."""
+    d, heads = 40, 8
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    sources, query, gain, grad_out = make(4, d, (2, 3), dtypes, seed=11, queries=queries)
+
+    def loss(shared, extra, q, g, backend):
+        mix, lse = depth_route_lse(shared, q, g, heads, backend=backend)
+        if q.dim() == 1:
+            merged = merge_source(mix, lse, extra, q, g, heads)
+        else:
+            parts = zip(mix, lse, q, g, strict=True)
+            merged = torch.stack([merge_source(m, s, extra, qk, gk, heads) for m, s, qk, gk in parts])
+        return (merged.double() * grad_out.double()).sum() + (lse.double() * lse.double().sin()).sum()
+
+    leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
+    loss(leaves[:2], leaves[2], *leaves[-2:], "triton").backward()
+    ref = [v.detach().double().requires_grad_() for v in (*sources, query, gain)]
+    loss(ref[:2], ref[2], *ref[-2:], "reference").backward()
+    for a, b in zip(leaves, ref, strict=True):
+        if a.grad is not None or b.grad is not None:
+            assert rel(a.grad, b.grad) < TOL[torch.bfloat16]
+
+
 def test_rows_span_several_gradient_blocks():
     """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
     assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
@@ -147,7 +181,7 @@ def test_outputs_fully_overwritten():
     triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     grads = [torch.full_like(v, float("nan")) for v in sources]
-    triton_route.route_backward(grad_out, lse, sources, u, heads, 1e-6, grads=grads)
+    triton_route.route_backward(grad_out, None, lse, sources, u, heads, 1e-6, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -173,7 +207,8 @@ def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32], queries=2)
     u = query * gain
     out, lse = op.route(sources, u, 4, 1e-6)
-    torch.library.opcheck(op.route_backward, (grad_out, lse, sources, u, 4, 1e-6))
+    torch.library.opcheck(op.route_backward, (grad_out, None, lse, sources, u, 4, 1e-6))
+    torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, sources, u, 4, 1e-6))
     torch.library.opcheck(op.route, ([v.requires_grad_() for v in sources], u.requires_grad_(), 4, 1e-6))
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from mhar_lightning.kernels import depth_route
-from mhar_lightning.kernels.reference import depth_weights
+from mhar_lightning.kernels import depth_route, depth_route_lse, merge_source
+from mhar_lightning.kernels.reference import depth_logits, depth_weights
 
 
 def einsum_route(sources, query, norm_weight, heads, eps=1e-6):
@@ -33,6 +33,35 @@ def test_gradcheck():
     query = torch.randn(d, dtype=torch.float64, generator=g, requires_grad=True)
     norm_weight = torch.randn(d, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda q, w, *s: depth_route(s, q, w, heads), (query, norm_weight, *sources))
+
+
+def test_log_sum_exp_and_several_queries_match_einsum():
+    g = torch.Generator().manual_seed(3)
+    d, heads = 12, 3
+    sources = [torch.randn(2, 3, d, dtype=torch.float64, generator=g) * (i + 1) for i in range(4)]
+    query, norm_weight = torch.randn(2, d, dtype=torch.float64, generator=g), torch.rand(2, d, dtype=torch.float64)
+    out, lse = depth_route_lse(sources, query, norm_weight, heads)
+    for k in range(2):
+        torch.testing.assert_close(out[k], einsum_route(sources, query[k], norm_weight[k], heads), rtol=1e-12, atol=0)
+        logits = depth_logits(sources, query[k], norm_weight[k], heads)
+        torch.testing.assert_close(lse[k], logits.exp().sum(-1).log(), rtol=1e-12, atol=0)
+
+
+def test_merging_a_source_equals_routing_over_all():
+    """Routing over S - 1 sources and merging the last through the log-sum-exp is the route over all S,
+    in value and gradient (checked against the direct formula and by gradcheck)."""
+    g = torch.Generator().manual_seed(4)
+    d, heads = 8, 2
+    sources = [torch.randn(2, d, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(4)]
+    query = torch.randn(d, dtype=torch.float64, generator=g, requires_grad=True)
+    norm_weight = (1 + 0.3 * torch.randn(d, dtype=torch.float64, generator=g)).requires_grad_()
+
+    def merged(q, w, *s):
+        mix, lse = depth_route_lse(s[:-1], q, w, heads)
+        return merge_source(mix, lse, s[-1], q, w, heads)
+
+    torch.testing.assert_close(merged(query, norm_weight, *sources), einsum_route(sources, query, norm_weight, heads))
+    assert torch.autograd.gradcheck(merged, (query, norm_weight, *sources))
 
 
 def test_zero_query_is_uniform_mean():
