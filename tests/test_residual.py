@@ -7,7 +7,16 @@ from torch import nn
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
-from mhar_lightning.residual import MHAR, AttnRes, DeltaMHAR, Residual, SumResidual, make_residual, register_residual
+from mhar_lightning.residual import (
+    MHAR,
+    AttnRes,
+    DeltaMHAR,
+    Residual,
+    SumResidual,
+    capture_depth_attention,
+    make_residual,
+    register_residual,
+)
 
 TINY = ModelConfig.preset("tiny")
 
@@ -66,7 +75,7 @@ def test_zero_queries_route_the_uniform_mean():
     model = Decoder(TINY, MHAR(heads=4, blocks=2))
     router = model.blocks[1].residual
     sources = tuple(torch.randn(2, 5, TINY.d_model) for _ in range(3))
-    torch.testing.assert_close(router.read(sources, 3), torch.stack(sources).mean(0))
+    torch.testing.assert_close(router.read(router.enter(sources, 2), 2), torch.stack(sources).mean(0))
     full = Decoder(TINY, AttnRes()).final_residual
     torch.testing.assert_close(full.finish(sources), torch.stack(sources).mean(0))
 
@@ -89,11 +98,10 @@ def test_block_bookkeeping_follows_design():
     for i, block in enumerate(model.blocks):
         block.attn, block.mlp = Constant(y[2 * i]), Constant(y[2 * i + 1])
     seen = {}
-    for router in [b.residual for b in model.blocks] + [model.final_residual]:
-        original = router.route
-        router.route = lambda sources, l, original=original: seen.setdefault(l, sources) and original(sources, l)
     tokens = torch.randint(0, config.vocab_size, (1, 3))
-    model(tokens)
+    with capture_depth_attention(model) as captured:  # every read hands its full list of sources to the capture
+        captured.record = lambda l, sources, *args: seen.setdefault(l, list(sources))
+        model(tokens)
     emb = model.embed(tokens)
 
     def block_sum(first, last):
@@ -110,6 +118,67 @@ def test_block_bookkeeping_follows_design():
         assert len(seen[l]) == len(sources), f"sublayer {l}"
         for got, want in zip(seen[l], sources):
             torch.testing.assert_close(got, want.expand_as(got), msg=f"sublayer {l}")
+
+
+class DirectMHAR(MHAR):
+    """Block MHAR with each sublayer routing over all its sources on its own (no shared pass, no merge)."""
+
+    def enter(self, stream, l):
+        return stream
+
+    def read(self, stream, l):
+        return self.route(stream, l)
+
+    def write(self, stream, l, y):
+        return (*stream, y) if l % self.block_len == 0 else (*stream[:-1], stream[-1] + y)
+
+
+class DirectDeltaMHAR(DeltaMHAR):
+    """Delta-MHAR with each sublayer routing on its own (no shared pass)."""
+
+    def enter(self, stream, l):
+        return stream
+
+    def read(self, stream, l):
+        return stream[0] + self.gate[self.site(l)] * self.route(stream[2:], l)
+
+    def write(self, stream, l, y):
+        p, block_start, *sources = stream
+        p = p + y
+        if (l + 1) % self.block_len == 0:
+            return (p, p, *sources, (p - block_start).to(y.dtype))
+        return (p, block_start, *sources)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(
+    "n_layers,shared,direct",
+    [
+        (4, MHAR(heads=4, blocks=2), DirectMHAR(heads=4, blocks=2)),  # blocks of 4: attention reads mid-block
+        (3, AttnRes(blocks=2), DirectMHAR(heads=1, blocks=2)),  # blocks of 3: a block starts at an MLP sublayer
+        (3, MHAR(heads=2, blocks=None), DirectMHAR(heads=2, blocks=None)),
+        (3, DeltaMHAR(heads=4, block_size=2), DirectDeltaMHAR(heads=4, block_size=2)),
+    ],
+    ids=["mhar-block-4", "attnres-block-3", "mhar-full", "delta"],
+)
+def test_shared_routing_per_block_equals_routing_each_sublayer(monkeypatch, backend, n_layers, shared, direct):
+    """Routing a transformer block's two sublayers in one pass (merging each one's last source) gives the
+    same outputs and gradients as routing every sublayer over all its sources by itself."""
+    monkeypatch.setenv(ENV_BACKEND, backend)
+    config = ModelConfig.preset("tiny", n_layers=n_layers, tie_embeddings=False)
+    one, other = twin_models(shared, direct, config)
+    randomize_routing(one)
+    other.load_state_dict(one.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (2, 6))
+    outputs = []
+    for model in (one, other):
+        logits = model(tokens)
+        logits.square().mean().backward()
+        outputs.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (a, grads_a), (b, grads_b) = outputs
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grad, grads_b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_delta_mhar_is_bit_identical_to_sum_at_init_then_moves():

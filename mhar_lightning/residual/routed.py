@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.kernels import depth_route
+from mhar_lightning.kernels import depth_route, depth_route_lse, merge_source
 from mhar_lightning.kernels.reference import check_heads, depth_weights
 from mhar_lightning.residual.base import Residual, Stream, register_residual
 
@@ -73,17 +73,33 @@ class DepthRouter(Residual):
     def start(self, embedding: Tensor) -> Stream:
         return (routing_source(embedding),)
 
+    def record(self, sources: Stream, l: int) -> None:
+        """Hand what sublayer `l` routes over to the attached capture, if any."""
+        if self.capture is not None:
+            j = self.site(l)
+            self.capture.record(l, sources, self.query[j], self.key_norm[j], self.heads)
+
     def route(self, sources: Stream, l: int, count: int = 1) -> Tensor:
         """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read), or with the
         queries of sublayers l .. l + count - 1 in one pass over the sources ([count, ..., d])."""
+        for i in range(l, l + count):
+            self.record(sources, i)
         j = self.site(l)
-        if self.capture is not None:
-            for i in range(j, j + count):
-                self.capture.record(l + i - j, sources, self.query[i], self.key_norm[i], self.heads)
         if count == 1:
             return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
         sites = slice(j, j + count)
         return depth_route(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
+
+    def route_shared(self, sources: Stream, l: int, count: int) -> tuple[Tensor, Tensor]:
+        """Mixes [count, ..., d] and log-sum-exps of sublayers l .. l + count - 1 over the sources they share,
+        in one pass; `merge` then adds each sublayer's own last source."""
+        sites = slice(self.site(l), self.site(l) + count)
+        return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
+
+    def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int) -> Tensor:
+        """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact)."""
+        j = self.site(l)
+        return merge_source(mix, lse, source, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, {super().extra_repr()}"
@@ -95,6 +111,11 @@ class MHAR(DepthRouter):
 
     `blocks=None` routes over every earlier sublayer output (full); `blocks=N` groups the L sublayers into
     N blocks of ceil(L / N) and routes over [embedding, finished block sums, in-block partial sum].
+
+    The two sublayers of a transformer block differ only in their last source (the MLP's includes the
+    attention output), so `enter` routes both over the sources they share in one pass, and each read merges
+    its own last source through the log-sum-exp: every shared source is read once and its gradient written
+    once per transformer block. Inside a block the stream is (mixes, log-sum-exps, *sources).
     """
 
     def __init__(self, heads: int = 8, blocks: int | None = None) -> None:
@@ -110,13 +131,24 @@ class MHAR(DepthRouter):
         self.block_len = 1 if self.blocks is None else math.ceil(n / self.blocks)
         self.build_sites(config, len(self.sites))
 
+    def enter(self, stream: Stream, l: int) -> Stream:
+        shared = stream if l % self.block_len == 0 else stream[:-1]
+        return (*self.route_shared(shared, l, count=2), *stream)
+
     def read(self, stream: Stream, l: int) -> Tensor:
-        return self.route(stream, l)
+        if l == self.n_sublayers:  # the final read: one query over the whole stream
+            return self.route(stream, l)
+        mixes, lse, *sources = stream
+        self.record(sources, l)
+        i = self.site(l)
+        if i == 0 and l % self.block_len == 0:  # a block starts here: the shared sources are all it reads
+            return mixes[0]
+        return self.merge(mixes[i], lse[i], sources[-1], l)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        if l % self.block_len == 0:
-            return (*stream, y)
-        return (*stream[:-1], stream[-1] + y)
+        mixes, lse, *sources = stream
+        sources = (*sources, y) if l % self.block_len == 0 else (*sources[:-1], sources[-1] + y)
+        return (mixes, lse, *sources) if self.site(l) == 0 else sources
 
     def extra_repr(self) -> str:
         return f"blocks={self.blocks}, {super().extra_repr()}"
