@@ -38,7 +38,7 @@ def main() -> None:
     lead = src[0].shape[:-1]
     out, lse = triton_route.route_forward(src, u, HEADS, 1e-6)
     table, _, aligned, k0, kr = triton_route._table(src, lead)
-    bh, bdh, warps = triton_route._launch_shape(D, HEADS, triton_route.ROW_ELEMS_PER_THREAD, False)
+    _, bh, bdh, warps = triton_route._launch_shape(D, HEADS, 1, triton_route.ROW_ELEMS_PER_THREAD, False)
 
     def bare_launch():
         triton_route._forward_kernel[(TOKENS,)](

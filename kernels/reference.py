@@ -87,13 +87,13 @@ def merge_source(
 ) -> Tensor:
     """The route over [*sources, source] from the route over `sources` (its `mix` and `lse`), exactly.
 
-    The softmax over one more logit rescales the old mix by exp(lse - lse') and adds the new source with
-    exp(z - lse'), where lse' = logaddexp(lse, z): sublayers that share most of their sources route over
-    the shared part once and merge their own last source here.
+    Adding one logit z to a softmax is a two-way softmax between the old mix and the new source:
+    out = mix + sigmoid(z - lse) * (source - mix), per head. Sublayers that share most of their sources
+    route over the shared part once and merge their own last source here.
     """
     d = query.shape[-1]
     z = depth_logits([source], query, norm_weight, heads, eps)[..., 0]
-    total = torch.logaddexp(lse, z)
-    old, new = torch.exp(lse - total)[..., None], torch.exp(z - total)[..., None]
-    out = old * mix.unflatten(-1, (heads, d // heads)) + new * source.unflatten(-1, (heads, d // heads))
+    weight = torch.sigmoid(z - lse)[..., None]
+    old = mix.unflatten(-1, (heads, d // heads))
+    out = old + weight * (source.unflatten(-1, (heads, d // heads)) - old)
     return out.flatten(-2).to(torch.promote_types(mix.dtype, source.dtype))

@@ -315,12 +315,16 @@ def _table(
 
 
 @functools.cache
-def _launch_shape(d: int, heads: int, elems_per_thread: int, interpreted: bool) -> tuple[int, int, int]:
-    """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile."""
+def _launch_shape(
+    d: int, heads: int, queries: int, elems_per_thread: int, interpreted: bool
+) -> tuple[int, int, int, int]:
+    """Tiles [queries, heads, head size] padded to powers of two, and warps giving `elems_per_thread` per
+    thread in the largest tile (the per-query ones)."""
+    bq = triton.next_power_of_2(queries)
     bh = triton.next_power_of_2(heads)
     bdh = triton.next_power_of_2(d // heads)
-    warps = 1 if interpreted else min(16, max(4, bh * bdh // (32 * elems_per_thread)))
-    return bh, bdh, warps
+    warps = 1 if interpreted else min(16, max(4, bq * bh * bdh // (32 * elems_per_thread)))
+    return bq, bh, bdh, warps
 
 
 def du_blocks(rows: int, n_sources: int) -> int:
@@ -349,11 +353,11 @@ def route_forward(
         out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
+    bq, bh, bdh, warps = _launch_shape(d, heads, n_queries, ROW_ELEMS_PER_THREAD, _interpreted())
     if rows:
         _forward_kernel[(rows,)](
             table, len(sources), n_queries, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads,
-            eps, BQ=triton.next_power_of_2(n_queries), BH=bh, BDH=bdh, K0=k0, KR=kr,
+            eps, BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr,
             ALIGN=aligned and (d // heads) % 8 == 0, num_warps=warps,
         )  # fmt: skip
     return out, lse
@@ -394,8 +398,7 @@ def route_backward(
     p = torch.empty(rows, S, n_queries, heads, dtype=torch.float32, device=u.device)
     q = torch.empty_like(p)
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
-    bq = triton.next_power_of_2(n_queries)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
+    bq, bh, bdh, warps = _launch_shape(d, heads, n_queries, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
         table, S, n_queries, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
         BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, num_warps=warps,
