@@ -51,10 +51,13 @@ class DeltaMHAR(DepthRouter):
 
     def enter(self, stream: Stream, l: int) -> Stream:
         p, block_start, *sources = stream
-        return (p, block_start, self.route(sources, l, count=2), *sources)
+        mixes, _ = self.route_shared(sources, l, count=2)
+        return (p, block_start, mixes, *sources)
 
     def read(self, stream: Stream, l: int) -> Tensor:
-        return stream[0] + self.gate[self.site(l)] * stream[2][self.site(l)]
+        p, _, mixes, *sources = stream
+        self.record(sources, l)
+        return p + self.gate[self.site(l)] * mixes[self.site(l)]
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
         p, block_start, mixes, *sources = stream

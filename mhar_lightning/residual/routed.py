@@ -79,16 +79,11 @@ class DepthRouter(Residual):
             j = self.site(l)
             self.capture.record(l, sources, self.query[j], self.key_norm[j], self.heads)
 
-    def route(self, sources: Stream, l: int, count: int = 1) -> Tensor:
-        """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read), or with the
-        queries of sublayers l .. l + count - 1 in one pass over the sources ([count, ..., d])."""
-        for i in range(l, l + count):
-            self.record(sources, i)
+    def route(self, sources: Stream, l: int) -> Tensor:
+        """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
+        self.record(sources, l)
         j = self.site(l)
-        if count == 1:
-            return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
-        sites = slice(j, j + count)
-        return depth_route(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
+        return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
     def route_shared(self, sources: Stream, l: int, count: int) -> tuple[Tensor, Tensor]:
         """Mixes [count, ..., d] and log-sum-exps of sublayers l .. l + count - 1 over the sources they share,
