@@ -30,6 +30,11 @@ def twin_models(a: Residual, b: Residual, config: ModelConfig = TINY) -> tuple[D
     return first, second
 
 
+def backend_device(backend: str) -> torch.device:
+    """Where a backend's tests run: the Triton path on the GPU when there is one, else in the CPU interpreter."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def randomize_routing(model: Decoder, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -166,10 +171,11 @@ def test_shared_routing_per_block_equals_routing_each_sublayer(monkeypatch, back
     same outputs and gradients as routing every sublayer over all its sources by itself."""
     monkeypatch.setenv(ENV_BACKEND, backend)
     config = ModelConfig.preset("tiny", n_layers=n_layers, tie_embeddings=False)
-    one, other = twin_models(shared, direct, config)
+    device = backend_device(backend)
+    one, other = (model.to(device) for model in twin_models(shared, direct, config))
     randomize_routing(one)
     other.load_state_dict(one.state_dict())
-    tokens = torch.randint(0, config.vocab_size, (2, 6))
+    tokens = torch.randint(0, config.vocab_size, (2, 6), device=device)
     outputs = []
     for model in (one, other):
         logits = model(tokens)
@@ -211,12 +217,13 @@ def test_delta_reads_both_sublayers_of_a_block_in_one_route(monkeypatch, backend
     """`enter` routes the attention and MLP reads of a transformer block together; each read equals
     p + gate * (its own single-query fp64 route over the block's sources)."""
     monkeypatch.setenv(ENV_BACKEND, backend)
-    model = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1))
+    device = backend_device(backend)
+    model = Decoder(ModelConfig.preset("tiny", n_layers=2), DeltaMHAR(heads=2, block_size=1)).to(device)
     randomize_routing(model)
     router = model.blocks[1].residual
     assert router.gate.abs().min() > 0 and not torch.equal(router.query[0], router.query[1])
-    emb, extra, y0 = torch.randn(1, 3, 64), torch.randn(1, 3, 64), torch.randn(1, 3, 64)
-    sources = [torch.randn(64).expand(1, 3, 64), emb, extra]
+    emb, extra, y0 = (torch.randn(1, 3, 64, device=device) for _ in range(3))
+    sources = [torch.randn(64, device=device).expand(1, 3, 64), emb, extra]
     stream = router.enter((emb, emb, *sources), 2)
 
     def expected(p, l):
