@@ -38,12 +38,12 @@ def main() -> None:
     lead = src[0].shape[:-1]
     out, lse = triton_route.route_forward(src, u, HEADS, 1e-6)
     table, _, aligned, k0, kr = triton_route._table(src, lead)
-    _, bh, bdh, warps = triton_route._launch_shape(D, HEADS, 1, triton_route.ROW_ELEMS_PER_THREAD, False)
+    bh, bdh, warps = triton_route._launch_shape(D, HEADS, triton_route.ROW_ELEMS_PER_THREAD, False)
 
     def bare_launch():
         triton_route._forward_kernel[(TOKENS,)](
-            table, S, 1, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6,
-            BQ=1, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, num_warps=warps,
+            table, S, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6,
+            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, num_warps=warps,
         )  # fmt: skip
 
     timeit("torch.empty", lambda: torch.empty(TOKENS, D, device="cuda"))

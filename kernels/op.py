@@ -83,7 +83,7 @@ def depth_route_lse(
     log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
 
     `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
-    same sources in one pass (outputs [Q, ..., d] and [Q, ..., heads]).
+    same sources (outputs [Q, ..., d] and [Q, ..., heads]), two per pass over the sources.
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
@@ -96,7 +96,9 @@ def depth_route_lse(
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    out, lse = route(sources, (query.float() * norm_weight.float()).reshape(-1, d), heads, eps)
+    u = (query.float() * norm_weight.float()).reshape(-1, d)
+    routes = [route(sources, chunk, heads, eps) for chunk in u.split(triton_route.MAX_QUERIES)]
+    out, lse = routes[0] if len(routes) == 1 else (torch.cat(parts) for parts in zip(*routes, strict=True))
     out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
     return (out, lse) if query.dim() == 2 else (out[0], lse[0])
 

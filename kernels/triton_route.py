@@ -80,76 +80,109 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(u_ptr, Q, H, DH, D, BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr):
-    """The [heads, head size] tile of one row (head index, mask, column offsets) and the folded queries as a
-    [queries, heads, head size] tile with their query index and mask."""
+def _row_tile(u_ptr, H, DH, D, BH: tl.constexpr, BDH: tl.constexpr, Q: tl.constexpr):
+    """The [heads, head size] tile of one row (head index, mask, column offsets) and the folded queries u0, u1
+    (u1 is u0 when Q = 1). Two queries are two tiles of the row's layout, never a 3D tile:
+    a query axis would be spread over warps and cost a shared-memory exchange per source row."""
     h = tl.arange(0, BH)
     j = tl.arange(0, BDH)
     mask = (h < H)[:, None] & (j < DH)[None, :]
     cols = h[:, None] * DH + j[None, :]
-    qi = tl.arange(0, BQ)
-    qmask = (qi < Q)[:, None, None] & mask[None, :, :]
-    u = tl.load(u_ptr + qi[:, None, None] * D + cols[None, :, :], mask=qmask, other=0.0)
-    return h, mask, cols, qi, qmask, u
+    u0 = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    u1 = u0
+    if Q == 2:
+        u1 = tl.load(u_ptr + D + cols, mask=mask, other=0.0)
+    return h, mask, cols, u0, u1
 
 
 @triton.jit
-def _mix_step(x, u, m, z_sum, acc, D, eps):
-    """Online-softmax update of every query's per-head running max, normaliser and mix with one more source
-    row x (the RMS is shared by the queries)."""
-    r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    z = r * tl.sum(x[None, :, :] * u, axis=2)
+def _mix_step(x, r, u, m, z_sum, acc):
+    """Online-softmax update of one query's per-head running max, normaliser and mix with one more source
+    row x of inverse RMS r."""
+    z = r * tl.sum(x * u, axis=1)
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     e = tl.exp(z - m_new)
-    return m_new, z_sum * alpha + e, acc * alpha[:, :, None] + e[:, :, None] * x[None, :, :]
+    return m_new, z_sum * alpha + e, acc * alpha[:, None] + e[:, None] * x
+
+
+@triton.jit
+def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q: tl.constexpr):
+    """`_mix_step` for each query (the RMS is shared)."""
+    r = tl.rsqrt(tl.sum(x * x) / D + eps)
+    m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0)
+    if Q == 2:
+        m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1)
+    return m0, z0, acc0, m1, z1, acc1
 
 
 @triton.jit
 def _forward_kernel(
-    table, S, Q, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
-    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
+    BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """One row per program, all queries at once: source 0 (kind K0), then sources 1.. (kind KR) with two
+    """One row per program, every query at once: source 0 (kind K0), then sources 1.. (kind KR) with two
     loads in flight."""
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
+    h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
     a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
-    m, z_sum = tl.full([BQ, BH], float("-inf"), tl.float32), tl.zeros([BQ, BH], tl.float32)
-    acc = tl.zeros([BQ, BH, BDH], tl.float32)
-    m, z_sum, acc = _mix_step(_value(x32, x16, K0), u, m, z_sum, acc, D, eps)
+    m0, z0 = tl.full([BH], float("-inf"), tl.float32), tl.zeros([BH], tl.float32)
+    acc0 = tl.zeros([BH, BDH], tl.float32)
+    m1, z1, acc1 = m0, z0, acc0
+    m0, z0, acc0, m1, z1, acc1 = _mix_both(_value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q)
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
-        m, z_sum, acc = _mix_step(_value(a32, a16, KR), u, m, z_sum, acc, D, eps)
+        x = _value(a32, a16, KR)
+        m0, z0, acc0, m1, z1, acc1 = _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q)
         a32, a16, b32, b16 = b32, b16, c32, c16
-    out = acc / z_sum[:, :, None]
-    at = qi[:, None, None] * (M * D) + row * D + cols[None, :, :]
-    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=qmask)
-    hq = qi[:, None] * (M * H) + row * H + h[None, :]
-    tl.store(lse_ptr + hq, m + tl.log(z_sum), mask=(qi < Q)[:, None] & (h < H)[None, :])
+    tl.store(out_ptr + row * D + cols, (acc0 / z0[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + row * H + h, m0 + tl.log(z0), mask=h < H)
+    if Q == 2:
+        tl.store(out_ptr + (M + row) * D + cols, (acc1 / z1[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + (M + row) * H + h, m1 + tl.log(z1), mask=h < H)
 
 
 @triton.jit
-def _stats_step(x, u, go, lse, delta, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, eps):
-    """For one source row x: store z, s and r (in the p, q, c buffers) and add p s to delta."""
-    r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    z = r * tl.sum(x[None, :, :] * u, axis=2)
-    s = tl.sum(go * x[None, :, :], axis=2)
+def _stats_step(x, r, u, go, lse, delta, at, hmask, p_ptr, q_ptr):
+    """For one query and source row x: store z and s (in the p and q buffers) and add p s to delta."""
+    z = r * tl.sum(x * u, axis=1)
+    s = tl.sum(go * x, axis=1)
     tl.store(p_ptr + at, z, mask=hmask)
     tl.store(q_ptr + at, s, mask=hmask)
-    tl.store(c_ptr + r_at, r)
     return delta + tl.exp(z - lse) * s
 
 
 @triton.jit
+def _stats_both(
+    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, H, eps,
+    Q: tl.constexpr,
+):  # fmt: skip
+    """`_stats_step` for each query, and r stored once in the c buffer."""
+    r = tl.rsqrt(tl.sum(x * x) / D + eps)
+    tl.store(c_ptr + r_at, r)
+    delta0 = _stats_step(x, r, u0, go0, lse0, delta0, at, hmask, p_ptr, q_ptr)
+    if Q == 2:
+        delta1 = _stats_step(x, r, u1, go1, lse1, delta1, at + H, hmask, p_ptr, q_ptr)
+    return delta0, delta1
+
+
+@triton.jit
+def _coefficients(p_ptr, q_ptr, at, hmask, lse, delta):
+    """One query's softmax weights p and dz = p (s - delta) from the z and s stored at `at`."""
+    z = tl.load(p_ptr + at, mask=hmask, other=0.0)
+    p = tl.exp(z - lse)
+    return z, p, p * (tl.load(q_ptr + at, mask=hmask, other=0.0) - delta)
+
+
+@triton.jit
 def _backward_stats_kernel(
-    table, S, Q, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
-    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
-    HAS_GLSE: tl.constexpr,
+    table, S, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
+    BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_GLSE: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """Per row (one program each, like the forward), the coefficients of every source's gradient, per query k:
     p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
@@ -161,67 +194,88 @@ def _backward_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
-    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
+    h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
     a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
-    go = tl.load(gout_ptr + qi[:, None, None] * (M * D) + row * D + cols[None, :, :], mask=qmask, other=0.0)
-    go = go.to(tl.float32)
-    hmask = (qi < Q)[:, None] & (h < H)[None, :]
-    lse = tl.load(lse_ptr + qi[:, None] * (M * H) + row * H + h[None, :], mask=hmask, other=0.0)
-    qh = qi[:, None] * H + h[None, :]
-    delta = tl.zeros([BQ, BH], tl.float32)
+    hmask = h < H
+    go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    lse0 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0)
+    go1, lse1 = go0, lse0
+    if Q == 2:
+        go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+        lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
+    delta0 = tl.zeros([BH], tl.float32)
+    delta1 = delta0
     x = _value(x32, x16, K0)
-    delta = _stats_step(x, u, go, lse, delta, row * S * Q * H + qh, hmask, row * S, p_ptr, q_ptr, c_ptr, D, eps)
+    delta0, delta1 = _stats_both(
+        x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * Q * H + h, hmask, row * S, p_ptr, q_ptr, c_ptr,
+        D, H, eps, Q,
+    )  # fmt: skip
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
-        at = (row * S + n) * Q * H + qh
         x = _value(a32, a16, KR)
-        delta = _stats_step(x, u, go, lse, delta, at, hmask, row * S + n, p_ptr, q_ptr, c_ptr, D, eps)
+        delta0, delta1 = _stats_both(
+            x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * Q * H + h, hmask, row * S + n,
+            p_ptr, q_ptr, c_ptr, D, H, eps, Q,
+        )  # fmt: skip
         a32, a16, b32, b16 = b32, b16, c32, c16
     if HAS_GLSE:
-        delta -= tl.load(glse_ptr + qi[:, None] * (M * H) + row * H + h[None, :], mask=hmask, other=0.0)
+        delta0 -= tl.load(glse_ptr + row * H + h, mask=hmask, other=0.0)
+        if Q == 2:
+            delta1 -= tl.load(glse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     tl.debug_barrier()  # the second loop reads values other threads of this program stored
     for n in range(S):
-        at = (row * S + n) * Q * H + qh
-        z = tl.load(p_ptr + at, mask=hmask, other=0.0)
-        p = tl.exp(z - lse)
-        dz = p * (tl.load(q_ptr + at, mask=hmask, other=0.0) - delta)
+        at = (row * S + n) * Q * H + h
+        z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, hmask, lse0, delta0)
+        zdz = tl.sum(tl.where(hmask, dz0 * z0, 0.0))
+        if Q == 2:
+            z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, hmask, lse1, delta1)
+            zdz += tl.sum(tl.where(hmask, dz1 * z1, 0.0))
         r = tl.load(c_ptr + row * S + n)
         tl.debug_barrier()  # every thread has read z, s and r before any overwrites them
-        tl.store(p_ptr + at, p, mask=hmask)
-        tl.store(q_ptr + at, r * dz, mask=hmask)
-        tl.store(c_ptr + row * S + n, -r * r / D * tl.sum(tl.sum(tl.where(hmask, dz * z, 0.0), axis=1)))
+        tl.store(p_ptr + at, p0, mask=hmask)
+        tl.store(q_ptr + at, r * dz0, mask=hmask)
+        if Q == 2:
+            tl.store(p_ptr + at + H, p1, mask=hmask)
+            tl.store(q_ptr + at + H, r * dz1, mask=hmask)
+        tl.store(c_ptr + row * S + n, -r * r / D * zdz)
 
 
 @triton.jit
 def _apply_rows(
-    table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
-    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sum of q v_n
-    per query."""
-    du = tl.zeros([BQ, BH, BDH], tl.float32)
-    hmask = (qi < Q)[:, None] & (h < H)[None, :]
-    qh = qi[:, None] * H + h[None, :]
+    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
+    one per query."""
+    hmask = h < H
+    du0 = tl.zeros([BH, BDH], tl.float32)
+    du1 = du0
     for i in range(count):
         row = first + i
-        at = (row * S + n) * Q * H + qh
-        p = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, :, None]
-        q = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, :, None]
+        at = (row * S + n) * Q * H + h
+        q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
+        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
+        if Q == 2:
+            q1 = tl.load(q_ptr + at + H, mask=hmask, other=0.0)[:, None]
+            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+            g += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1 + q1 * u1
         c = tl.load(c_ptr + row * S + n)
-        go = tl.load(gout_ptr + qi[:, None, None] * (M * D) + row * D + cols[None, :, :], mask=qmask, other=0.0)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
         x = _value(x32, x16, KIND)
-        _store(table, n, row, D, cols, mask, tl.sum(p * go.to(tl.float32) + q * u, axis=0) + c * x, ALIGN)
-        du += q * x[None, :, :]
-    return du
+        _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
+        du0 += q0 * x
+        if Q == 2:
+            du1 += q1 * x
+    return du0, du1
 
 
 @triton.jit
 def _backward_apply_kernel(
-    table, S, Q, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
-    BQ: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
+    table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
+    BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
     sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller).
@@ -232,21 +286,24 @@ def _backward_apply_kernel(
     n = tl.program_id(0) % S
     first = (tl.program_id(0) // S).to(tl.int64) * BR
     count = tl.minimum(M - first, BR)
-    h, mask, cols, qi, qmask, u = _row_tile(u_ptr, Q, H, DH, D, BQ, BH, BDH)
+    h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     if n == 0:  # uniform per program: each branch loads with its own kind
-        du = _apply_rows(
-            table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
-            BQ, BH, BDH, K0, ALIGN,
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BH, BDH, K0, ALIGN, Q,
         )  # fmt: skip
     else:
-        du = _apply_rows(
-            table, S, Q, n, first, count, u, h, mask, cols, qi, qmask, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
-            BQ, BH, BDH, KR, ALIGN,
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BH, BDH, KR, ALIGN, Q,
         )  # fmt: skip
-    at = tl.program_id(0).to(tl.int64) * Q * D + qi[:, None, None] * D + cols[None, :, :]
-    tl.store(du_ptr + at, du, mask=qmask)
+    at = tl.program_id(0).to(tl.int64) * Q * D + cols
+    tl.store(du_ptr + at, du0, mask=mask)
+    if Q == 2:
+        tl.store(du_ptr + at + D, du1, mask=mask)
 
 
+MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
@@ -315,16 +372,18 @@ def _table(
 
 
 @functools.cache
-def _launch_shape(
-    d: int, heads: int, queries: int, elems_per_thread: int, interpreted: bool
-) -> tuple[int, int, int, int]:
-    """Tiles [queries, heads, head size] padded to powers of two, and warps giving `elems_per_thread` per
-    thread in the largest tile (the per-query ones)."""
-    bq = triton.next_power_of_2(queries)
+def _launch_shape(d: int, heads: int, elems_per_thread: int, interpreted: bool) -> tuple[int, int, int]:
+    """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile."""
     bh = triton.next_power_of_2(heads)
     bdh = triton.next_power_of_2(d // heads)
-    warps = 1 if interpreted else min(16, max(4, bq * bh * bdh // (32 * elems_per_thread)))
-    return bq, bh, bdh, warps
+    warps = 1 if interpreted else min(16, max(4, bh * bdh // (32 * elems_per_thread)))
+    return bh, bdh, warps
+
+
+def _check_queries(u: Tensor) -> int:
+    if not 1 <= u.shape[0] <= MAX_QUERIES:
+        raise ValueError(f"the kernels take 1 to {MAX_QUERIES} queries per call, got {u.shape[0]}; split them")
+    return u.shape[0]
 
 
 def du_blocks(rows: int, n_sources: int) -> int:
@@ -340,25 +399,24 @@ def out_dtype(sources: Sequence[Tensor]) -> torch.dtype:
 def route_forward(
     sources: Sequence[Tensor], u: Tensor, heads: int, eps: float, out: Tensor | None = None, lse: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Forward route for Q folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources.
+    """Forward route for 1 or 2 folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources.
 
     Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and the per-head
     log-sum-exps [Q, ..., heads] in fp32. `out` / `lse` may be given as destination buffers.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    n_queries = u.shape[0]
+    n_queries = _check_queries(u)
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
     if out is None:
         out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
-    bq, bh, bdh, warps = _launch_shape(d, heads, n_queries, ROW_ELEMS_PER_THREAD, _interpreted())
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     if rows:
         _forward_kernel[(rows,)](
-            table, len(sources), n_queries, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads,
-            eps, BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr,
-            ALIGN=aligned and (d // heads) % 8 == 0, num_warps=warps,
+            table, len(sources), u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads, eps,
+            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries, num_warps=warps,
         )  # fmt: skip
     return out, lse
 
@@ -383,7 +441,7 @@ def route_backward(
     is reduced deterministically, without atomics.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    n_queries = u.shape[0]
+    n_queries = _check_queries(u)
     if grads is None:
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
@@ -398,13 +456,13 @@ def route_backward(
     p = torch.empty(rows, S, n_queries, heads, dtype=torch.float32, device=u.device)
     q = torch.empty_like(p)
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
-    bq, bh, bdh, warps = _launch_shape(d, heads, n_queries, ROW_ELEMS_PER_THREAD, _interpreted())
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
-        table, S, n_queries, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
-        BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, num_warps=warps,
+        table, S, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
+        BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, num_warps=warps,
     )  # fmt: skip
     _backward_apply_kernel[(du.shape[0],)](
-        table, S, n_queries, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
-        BR=APPLY_ROWS, BQ=bq, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, num_warps=warps,
+        table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
+        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
     )  # fmt: skip
     return list(grads), du

@@ -101,7 +101,7 @@ def test_source_dtype_patterns(dtypes):
     [(1, 8, 1, "fp32"), (4, 40, 8, "mixed"), (3, 192, 2, "bf16"), (6, 24, 4, "mixed")],
 )
 def test_several_queries_match_reference(queries, S, d, heads, dtypes):
-    """Q queries over the same sources in one pass (3 pads the query tile to 4): each mix, the source gradients
+    """Q queries over the same sources, two per pass (3 takes a second pass): each mix, the source gradients
     summed over the queries and every query's and gain's gradient match Q separate fp64 routes."""
     first = torch.float32 if dtypes != "bf16" else torch.bfloat16
     rest = torch.float32 if dtypes == "fp32" else torch.bfloat16
@@ -183,6 +183,12 @@ def test_outputs_fully_overwritten():
     grads = [torch.full_like(v, float("nan")) for v in sources]
     triton_route.route_backward(grad_out, None, lse, sources, u, heads, 1e-6, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_kernels_refuse_more_than_two_queries():
+    sources, query, gain, _ = make(2, 8, (1, 2), [torch.float32] * 2, queries=3)
+    with pytest.raises(ValueError, match="1 to 2 queries per call, got 3; split them"):
+        triton_route.route_forward(sources, query * gain, 1, 1e-6)
 
 
 def test_checkpointed_and_deterministic():
