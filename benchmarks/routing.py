@@ -10,6 +10,7 @@ the backward launcher alone (its two kernels and host work).
 """
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -80,7 +81,8 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
 
 def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
     """Device time of each backward kernel per `triton_route.APPLY_ROWS`, and of the per-row kernels per
-    `triton_route.ROW_ELEMS_PER_THREAD`, at model shapes (fp32 embedding + bf16 sources, H = 8)."""
+    `triton_route.ROW_ELEMS_PER_THREAD`, at model shapes (fp32 embedding + bf16 sources, H = 8); then all-bf16
+    sources with one and two queries per call."""
     defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD
     for d, S in ((2048, 5), (2048, 17), (1024, 5), (768, 5)):
         sources, query, gain = make(tokens, d, S, mixed=True)
@@ -97,14 +99,16 @@ def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
     triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults
     for d, S in ((2048, 5), (1024, 5), (2048, 17)):  # all-bf16 sources, as in the model under autocast
         sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
-        for queries in (1, 2):
+        for queries, elems in itertools.product((1, 2), (8, 16)):
+            triton_route.ROW_ELEMS_PER_THREAD = elems
             u = 0.1 * torch.randn(queries, d, device="cuda")
             go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
             _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
             times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
             times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6))
             kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
-            print(f"d={d} S={S} bf16, {queries} queries in one call: {kernels}", flush=True)
+            print(f"d={d} S={S} bf16, {queries} queries in one call, elems/thread {elems}: {kernels}", flush=True)
+    triton_route.ROW_ELEMS_PER_THREAD = defaults[1]
 
 
 def main() -> None:
