@@ -82,8 +82,8 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 @triton.jit
 def _row_tile(u_ptr, H, DH, D, BH: tl.constexpr, BDH: tl.constexpr, Q: tl.constexpr):
     """The [heads, head size] tile of one row (head index, mask, column offsets) and the folded queries u0, u1
-    (u1 is u0 when Q = 1). Two queries are two tiles of the row's layout, never a 3D tile:
-    a query axis would be spread over warps and cost a shared-memory exchange per source row."""
+    (u1 is u0 when Q = 1). Two queries are two tiles in the row's layout: a [queries, heads, head size]
+    tile measured 1.5-9x slower per kernel on the H200 (benchmarks/NOTES.md, v7)."""
     h = tl.arange(0, BH)
     j = tl.arange(0, BDH)
     mask = (h < H)[:, None] & (j < DH)[None, :]
