@@ -1,5 +1,9 @@
 """The fused depth-routing op against the fp64 reference (CPU through TRITON_INTERPRET, or the GPU)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -98,7 +102,7 @@ def test_source_dtype_patterns(dtypes):
 @pytest.mark.parametrize("queries", [2, 3])
 @pytest.mark.parametrize(
     "S,d,heads,dtypes",
-    [(1, 8, 1, "fp32"), (4, 40, 8, "mixed"), (3, 192, 2, "bf16"), (6, 24, 4, "mixed")],
+    [(1, 8, 1, "fp32"), (4, 40, 8, "mixed"), (3, 192, 2, "bf16"), (6, 24, 4, "mixed"), (10, 24, 4, "fp32")],
 )
 def test_several_queries_match_reference(queries, S, d, heads, dtypes):
     """Q queries over the same sources, two per pass (3 takes a second pass): each mix, the source gradients
@@ -183,6 +187,38 @@ def test_outputs_fully_overwritten():
     grads = [torch.full_like(v, float("nan")) for v in sources]
     triton_route.route_backward(grad_out, None, lse, sources, u, heads, 1e-6, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+COMPILE_FOR_HOPPER = """
+import itertools, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mhar_lightning.kernels import triton_route as tr
+
+def kind(name):
+    if name == "table":
+        return "*i64"
+    if name.endswith("_ptr"):
+        return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
+    return "fp32" if name == "eps" else "i32"
+
+extra = {tr._forward_kernel: {}, tr._backward_stats_kernel: {"HAS_GLSE": True},
+         tr._backward_apply_kernel: {"BR": tr.APPLY_ROWS}}
+for (fn, more), q, (k0, kr) in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2))):
+    consts = {"BH": 8, "BDH": 128, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
+    sig = {n: "constexpr" if n in consts else kind(n) for n in fn.arg_names}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4})
+"""
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs code the compiler rejects (a loop variable re-bound to a tensor, for one), so every
+    kernel is also compiled for sm_90 (one and two queries, each load kind) in a process without the interpreter."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_kernels_refuse_more_than_two_queries():
