@@ -182,14 +182,14 @@ def _coefficients(p_ptr, q_ptr, at, hmask, lse, delta):
 def _backward_stats_kernel(
     table, S, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
-    HAS_GLSE: tl.constexpr, Q: tl.constexpr,
+    HAS_GLSE: tl.constexpr, Q: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
     """Per row (one program each, like the forward), the coefficients of every source's gradient, per query k:
     p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
     dz = p (s - delta + g), s[n, k, h] = <go_k[h], v_n[h]>, delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
     (exact, without reading a rounded mix) and g[k, h] the upstream gradient of the log-sum-exp (HAS_GLSE;
     else 0). The loop over sources leaves z, s and r in the p, q and c
-    buffers; once delta is complete, a second loop over those small values turns them into p, q and c.
+    buffers; once delta is complete, a second loop turns those small values into p, q and c, SC sources at a time.
     """
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
@@ -225,21 +225,24 @@ def _backward_stats_kernel(
         if Q == 2:
             delta1 -= tl.load(glse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     tl.debug_barrier()  # the second loop reads values other threads of this program stored
-    for n in range(S):
-        at = (row * S + n) * Q * H + h
-        z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, hmask, lse0, delta0)
-        zdz = tl.sum(tl.where(hmask, dz0 * z0, 0.0))
+    for first in range(0, S, SC):  # SC sources at once: a [sources, heads] tile per query
+        ns = first + tl.arange(0, SC)
+        nmask = ns < S
+        smask = nmask[:, None] & hmask[None, :]
+        at = (row * S + ns[:, None]) * Q * H + h[None, :]
+        z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, smask, lse0[None, :], delta0[None, :])
+        zdz = tl.sum(tl.where(smask, dz0 * z0, 0.0), axis=1)
         if Q == 2:
-            z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, hmask, lse1, delta1)
-            zdz += tl.sum(tl.where(hmask, dz1 * z1, 0.0))
-        r = tl.load(c_ptr + row * S + n)
+            z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, smask, lse1[None, :], delta1[None, :])
+            zdz += tl.sum(tl.where(smask, dz1 * z1, 0.0), axis=1)
+        r = tl.load(c_ptr + row * S + ns, mask=nmask, other=0.0)
         tl.debug_barrier()  # every thread has read z, s and r before any overwrites them
-        tl.store(p_ptr + at, p0, mask=hmask)
-        tl.store(q_ptr + at, r * dz0, mask=hmask)
+        tl.store(p_ptr + at, p0, mask=smask)
+        tl.store(q_ptr + at, r[:, None] * dz0, mask=smask)
         if Q == 2:
-            tl.store(p_ptr + at + H, p1, mask=hmask)
-            tl.store(q_ptr + at + H, r * dz1, mask=hmask)
-        tl.store(c_ptr + row * S + n, -r * r / D * zdz)
+            tl.store(p_ptr + at + H, p1, mask=smask)
+            tl.store(q_ptr + at + H, r[:, None] * dz1, mask=smask)
+        tl.store(c_ptr + row * S + ns, -r * r / D * zdz, mask=nmask)
 
 
 @triton.jit
@@ -305,6 +308,7 @@ def _backward_apply_kernel(
 
 MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
+STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
 
@@ -459,7 +463,8 @@ def route_backward(
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
         table, S, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
-        BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, num_warps=warps,
+        BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
+        num_warps=warps,
     )  # fmt: skip
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,

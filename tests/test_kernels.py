@@ -202,7 +202,7 @@ def kind(name):
         return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
-extra = {tr._forward_kernel: {}, tr._backward_stats_kernel: {"HAS_GLSE": True},
+extra = {tr._forward_kernel: {}, tr._backward_stats_kernel: {"HAS_GLSE": True, "SC": tr.STATS_SOURCES},
          tr._backward_apply_kernel: {"BR": tr.APPLY_ROWS}}
 for (fn, more), q, (k0, kr) in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2))):
     consts = {"BH": 8, "BDH": 128, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
