@@ -48,14 +48,21 @@ def depth_route(
 
 
 def depth_route_lse(
-    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6, backend: str = "auto"
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    counts: Sequence[int] | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
-    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source."""
+    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source; query k of a
+    [Q, d] query reads the first counts[k] sources (default: all)."""
     if resolve_backend(backend, sources) == "reference":
-        return reference.depth_route_lse(sources, query, norm_weight, heads, eps)
+        return reference.depth_route_lse(sources, query, norm_weight, heads, eps, counts)
     from mhar_lightning.kernels import op
 
-    return op.depth_route_lse(sources, query, norm_weight, heads, eps)
+    return op.depth_route_lse(sources, query, norm_weight, heads, eps, counts)
 
 
 merge_source = reference.merge_source

@@ -17,18 +17,19 @@ from collections.abc import Sequence
 
 import torch
 from mhar_lightning.kernels import triton_route
-from mhar_lightning.kernels.reference import check_heads
+from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
 
 @torch.library.custom_op("mhar::depth_route", mutates_args=())
-def route(sources: list[Tensor], u: Tensor, heads: int, eps: float) -> tuple[Tensor, Tensor]:
-    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and log-sum-exps [Q, ..., heads] (fp32)."""
-    return triton_route.route_forward(sources, u, heads, eps)
+def route(sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]) -> tuple[Tensor, Tensor]:
+    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and log-sum-exps [Q, ..., heads] (fp32);
+    query k reads the first counts[k] sources."""
+    return triton_route.route_forward(sources, u, heads, eps, counts)
 
 
 @route.register_fake
-def _route_fake(sources, u, heads, eps):
+def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
     out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
     return out, sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
@@ -43,47 +44,54 @@ def route_backward(
     u: Tensor,
     heads: int,
     eps: float,
+    counts: list[int],
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
-    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, sources, u, heads, eps)
+    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, sources, u, heads, eps, counts)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
 @route_backward.register_fake
-def _route_backward_fake(grad_out, grad_lse, lse, sources, u, heads, eps):
+def _route_backward_fake(grad_out, grad_lse, lse, sources, u, heads, eps, counts):
     rows = sources[0].shape[:-1].numel()
     du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
 def _setup_context(ctx, inputs, output):
-    sources, u, heads, eps = inputs
+    sources, u, heads, eps, counts = inputs
     out, lse = output
     ctx.save_for_backward(lse, u, *sources)
     ctx.out_meta = (out.shape, out.dtype)
-    ctx.heads, ctx.eps = heads, eps
+    ctx.heads, ctx.eps, ctx.counts = heads, eps, counts
 
 
 def _backward(ctx, grad_out, grad_lse):
     lse, u, *sources = ctx.saved_tensors
     if grad_out is None:  # only the log-sum-exp was used
         grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
-    *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps)
-    return grads, du_parts.sum(0), None, None
+    *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps, ctx.counts)
+    return grads, du_parts.sum(0), None, None, None
 
 
 route.register_autograd(_backward, setup_context=_setup_context)
 
 
 def depth_route_lse(
-    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    counts: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The fused route with the reference's contract (shapes, checks, promoted output dtype), and the per-head
     log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
 
     `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
-    same sources (outputs [Q, ..., d] and [Q, ..., heads]), two per pass over the sources.
+    same sources (outputs [Q, ..., d] and [Q, ..., heads]), two per pass over the sources; `counts` then
+    gives the number of leading sources each query reads (default: all).
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
@@ -97,7 +105,11 @@ def depth_route_lse(
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
     u = (query.float() * norm_weight.float()).reshape(-1, d)
-    routes = [route(sources, chunk, heads, eps) for chunk in u.split(triton_route.MAX_QUERIES)]
+    counts = check_counts(counts, len(u), len(sources))
+    routes = []
+    for first in range(0, len(u), triton_route.MAX_QUERIES):
+        chunk = counts[first : first + triton_route.MAX_QUERIES]
+        routes.append(route(sources[: max(chunk)], u[first : first + len(chunk)], heads, eps, chunk))
     out, lse = routes[0] if len(routes) == 1 else (torch.cat(parts) for parts in zip(*routes, strict=True))
     out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
     return (out, lse) if query.dim() == 2 else (out[0], lse[0])

@@ -14,6 +14,16 @@ def check_heads(d_model: int, heads: int) -> None:
         raise ValueError(f"heads={heads} must divide d_model={d_model}; use one of {divisors}")
 
 
+def check_counts(counts: "Sequence[int] | None", n_queries: int, n_sources: int) -> list[int]:
+    """Leading sources per query (all by default); raise a one-line error unless each is 1 .. n_sources."""
+    if counts is None:
+        return [n_sources] * n_queries
+    counts = [int(c) for c in counts]
+    if len(counts) != n_queries or not all(1 <= c <= n_sources for c in counts):
+        raise ValueError(f"counts={counts} must give 1 to {n_sources} sources for each of the {n_queries} queries")
+    return counts
+
+
 def depth_logits(
     sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
 ) -> Tensor:
@@ -72,12 +82,24 @@ def depth_route(
 
 
 def depth_route_lse(
-    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
+    sources: Sequence[Tensor],
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    eps: float = 1e-6,
+    counts: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`depth_route` and the per-head log-sum-exp of its logits ([..., heads], or [Q, ..., heads])."""
+    """`depth_route` and the per-head log-sum-exp of its logits ([..., heads], or [Q, ..., heads]).
+
+    Query k reads the first counts[k] sources (default: all; a [d] query is one query).
+    """
     if query.dim() == 2:
-        pairs = [depth_route_lse(sources, q, g, heads, eps) for q, g in zip(query, norm_weight, strict=True)]
+        counts = check_counts(counts, len(query), len(sources))
+        pairs = [
+            depth_route_lse(sources[:c], q, g, heads, eps) for q, g, c in zip(query, norm_weight, counts, strict=True)
+        ]
         return torch.stack([out for out, _ in pairs]), torch.stack([lse for _, lse in pairs])
+    sources = sources[: check_counts(counts, 1, len(sources))[0]]
     logits = depth_logits(sources, query, norm_weight, heads, eps)
     return _mix(torch.softmax(logits, dim=-1), sources, heads), torch.logsumexp(logits, dim=-1)
 

@@ -15,9 +15,11 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from mhar_lightning.kernels.reference import check_counts
 from torch import Tensor
 
 _TAGS = {torch.float32: 0, torch.bfloat16: 1}  # dtype tag per source in the table (the kernels test 0 / 1)
+MASKED_LOGIT = tl.constexpr(-1.0e30)  # logit of a source a query does not read: weight 0, and 0 * it stays finite
 
 
 @triton.jit
@@ -96,10 +98,10 @@ def _row_tile(u_ptr, H, DH, D, BH: tl.constexpr, BDH: tl.constexpr, Q: tl.conste
 
 
 @triton.jit
-def _mix_step(x, r, u, m, z_sum, acc):
+def _mix_step(x, r, u, m, z_sum, acc, live):
     """Online-softmax update of one query's per-head running max, normaliser and mix with one more source
-    row x of inverse RMS r."""
-    z = r * tl.sum(x * u, axis=1)
+    row x of inverse RMS r (weight 0 unless `live`: the query reads fewer sources)."""
+    z = tl.where(live, r * tl.sum(x * u, axis=1), MASKED_LOGIT)
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     e = tl.exp(z - m_new)
@@ -107,22 +109,22 @@ def _mix_step(x, r, u, m, z_sum, acc):
 
 
 @triton.jit
-def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q: tl.constexpr):
+def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, live0, live1, Q: tl.constexpr):
     """`_mix_step` for each query (the RMS is shared)."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0)
+    m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0, live0)
     if Q == 2:
-        m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1)
+        m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1, live1)
     return m0, z0, acc0, m1, z1, acc1
 
 
 @triton.jit
 def _forward_kernel(
-    table, S, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
+    table, S, S0, S1, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """One row per program, every query at once: source 0 (kind K0), then sources 1.. (kind KR) with two
-    loads in flight."""
+    loads in flight. Query k reads sources 0 .. Sk - 1."""
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
@@ -133,11 +135,13 @@ def _forward_kernel(
     m0, z0 = tl.full([BH], float("-inf"), tl.float32), tl.zeros([BH], tl.float32)
     acc0 = tl.zeros([BH, BDH], tl.float32)
     m1, z1, acc1 = m0, z0, acc0
-    m0, z0, acc0, m1, z1, acc1 = _mix_both(_value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q)
+    m0, z0, acc0, m1, z1, acc1 = _mix_both(
+        _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, True, True, Q
+    )
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
-        m0, z0, acc0, m1, z1, acc1 = _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, Q)
+        m0, z0, acc0, m1, z1, acc1 = _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, n < S0, n < S1, Q)
         a32, a16, b32, b16 = b32, b16, c32, c16
     tl.store(out_ptr + row * D + cols, (acc0 / z0[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + row * H + h, m0 + tl.log(z0), mask=h < H)
@@ -147,9 +151,9 @@ def _forward_kernel(
 
 
 @triton.jit
-def _stats_step(x, r, u, go, lse, delta, at, hmask, p_ptr, q_ptr):
+def _stats_step(x, r, u, go, lse, delta, at, hmask, p_ptr, q_ptr, live):
     """For one query and source row x: store z and s (in the p and q buffers) and add p s to delta."""
-    z = r * tl.sum(x * u, axis=1)
+    z = tl.where(live, r * tl.sum(x * u, axis=1), MASKED_LOGIT)
     s = tl.sum(go * x, axis=1)
     tl.store(p_ptr + at, z, mask=hmask)
     tl.store(q_ptr + at, s, mask=hmask)
@@ -158,15 +162,15 @@ def _stats_step(x, r, u, go, lse, delta, at, hmask, p_ptr, q_ptr):
 
 @triton.jit
 def _stats_both(
-    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, H, eps,
+    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, H, eps, live0, live1,
     Q: tl.constexpr,
 ):  # fmt: skip
     """`_stats_step` for each query, and r stored once in the c buffer."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
     tl.store(c_ptr + r_at, r)
-    delta0 = _stats_step(x, r, u0, go0, lse0, delta0, at, hmask, p_ptr, q_ptr)
+    delta0 = _stats_step(x, r, u0, go0, lse0, delta0, at, hmask, p_ptr, q_ptr, live0)
     if Q == 2:
-        delta1 = _stats_step(x, r, u1, go1, lse1, delta1, at + H, hmask, p_ptr, q_ptr)
+        delta1 = _stats_step(x, r, u1, go1, lse1, delta1, at + H, hmask, p_ptr, q_ptr, live1)
     return delta0, delta1
 
 
@@ -180,7 +184,7 @@ def _coefficients(p_ptr, q_ptr, at, hmask, lse, delta):
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
+    table, S, S0, S1, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
     HAS_GLSE: tl.constexpr, Q: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
@@ -210,14 +214,14 @@ def _backward_stats_kernel(
     x = _value(x32, x16, K0)
     delta0, delta1 = _stats_both(
         x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * Q * H + h, hmask, row * S, p_ptr, q_ptr, c_ptr,
-        D, H, eps, Q,
+        D, H, eps, True, True, Q,
     )  # fmt: skip
     for n in range(1, S):
         c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
         delta0, delta1 = _stats_both(
             x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * Q * H + h, hmask, row * S + n,
-            p_ptr, q_ptr, c_ptr, D, H, eps, Q,
+            p_ptr, q_ptr, c_ptr, D, H, eps, n < S0, n < S1, Q,
         )  # fmt: skip
         a32, a16, b32, b16 = b32, b16, c32, c16
     if HAS_GLSE:
@@ -384,10 +388,13 @@ def _launch_shape(d: int, heads: int, elems_per_thread: int, interpreted: bool) 
     return bh, bdh, warps
 
 
-def _check_queries(u: Tensor) -> int:
-    if not 1 <= u.shape[0] <= MAX_QUERIES:
-        raise ValueError(f"the kernels take 1 to {MAX_QUERIES} queries per call, got {u.shape[0]}; split them")
-    return u.shape[0]
+def _check_queries(u: Tensor, counts: Sequence[int], n_sources: int) -> tuple[int, int, int]:
+    """The number of queries and the sources each reads (`counts`: leading sources per query, all if empty)."""
+    n_queries = u.shape[0]
+    if not 1 <= n_queries <= MAX_QUERIES:
+        raise ValueError(f"the kernels take 1 to {MAX_QUERIES} queries per call, got {n_queries}; split them")
+    counts = check_counts(counts or None, n_queries, n_sources)
+    return n_queries, counts[0], counts[-1]
 
 
 def du_blocks(rows: int, n_sources: int) -> int:
@@ -401,15 +408,22 @@ def out_dtype(sources: Sequence[Tensor]) -> torch.dtype:
 
 
 def route_forward(
-    sources: Sequence[Tensor], u: Tensor, heads: int, eps: float, out: Tensor | None = None, lse: Tensor | None = None
+    sources: Sequence[Tensor],
+    u: Tensor,
+    heads: int,
+    eps: float,
+    counts: Sequence[int] = (),
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Forward route for 1 or 2 folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources.
+    """Forward route for 1 or 2 folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources;
+    query k reads the first counts[k] sources (all when `counts` is empty).
 
     Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and the per-head
     log-sum-exps [Q, ..., heads] in fp32. `out` / `lse` may be given as destination buffers.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    n_queries = _check_queries(u)
+    n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
     if out is None:
@@ -419,7 +433,7 @@ def route_forward(
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     if rows:
         _forward_kernel[(rows,)](
-            table, len(sources), u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads, eps,
+            table, len(sources), s0, s1, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads, eps,
             BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries, num_warps=warps,
         )  # fmt: skip
     return out, lse
@@ -433,19 +447,20 @@ def route_backward(
     u: Tensor,
     heads: int,
     eps: float,
+    counts: Sequence[int] = (),
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
-    """Gradients of the route of Q queries (`grad_out` [Q, ..., d], and `grad_lse` [Q, ..., heads] or None when
-    the log-sum-exps are not used): one per source (its dtype, contiguous,
-    summed over the queries) and the partial sums of du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d]
-    in fp32 (their sum over dim 0 is du).
+    """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
+    and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used): one per source (its dtype,
+    contiguous, summed over the queries) and the partial sums of du = dL/d(query * norm_weight),
+    [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
     is reduced deterministically, without atomics.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    n_queries = _check_queries(u)
+    n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     if grads is None:
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
@@ -462,7 +477,7 @@ def route_backward(
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
     _backward_stats_kernel[(rows,)](
-        table, S, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
+        table, S, s0, s1, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip

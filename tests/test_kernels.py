@@ -140,6 +140,46 @@ def test_log_sum_exp_and_merged_source_match_reference(queries):
             assert rel(a.grad, b.grad) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize(
+    "counts,dtypes",
+    [((5, 4), "mixed"), ((4, 5), "bf16"), ((1, 5), "fp32"), ((3, 3), "mixed"), ((5, 2, 4), "mixed"), ((2,), "fp32")],
+)
+def test_queries_reading_fewer_sources_match_reference(counts, dtypes):
+    """Query k reads only the first counts[k] sources: each mix, log-sum-exp and every gradient match separate
+    fp64 routes over those sources (a source a query skips gets no gradient from it)."""
+    S, d, heads = 5, 40, 8
+    first = torch.float32 if dtypes != "bf16" else torch.bfloat16
+    rest = torch.float32 if dtypes == "fp32" else torch.bfloat16
+    sources, query, gain, grad_out = make(
+        S, d, (2, 3), [first] + [rest] * (S - 1), seed=sum(counts), queries=len(counts)
+    )
+
+    def loss(mix, lse):
+        return (mix.double() * grad_out.double()).sum() + (lse.double() * lse.double().sin()).sum()
+
+    leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
+    mix, lse = depth_route_lse(leaves[:S], leaves[S], leaves[S + 1], heads, counts=counts, backend="triton")
+    loss(mix, lse).backward()
+    ref = [v.detach().double().requires_grad_() for v in (*sources, query, gain)]
+    pairs = [reference.depth_route_lse(ref[:c], ref[S][k], ref[S + 1][k], heads) for k, c in enumerate(counts)]
+    ref_mix, ref_lse = torch.stack([m for m, _ in pairs]), torch.stack([z for _, z in pairs])
+    loss(ref_mix, ref_lse).backward()
+    tol = TOL[torch.float32 if dtypes == "fp32" else torch.bfloat16]
+    assert rel(mix, ref_mix) < tol and rel(lse, ref_lse) < tol
+    for a, b in zip(leaves, ref, strict=True):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            assert rel(a.grad, b.grad) < tol
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_counts_out_of_range_are_refused(backend):
+    sources, query, gain, _ = make(3, 8, (1, 2), [torch.float32] * 3, queries=2)
+    for counts in ((3,), (0, 3), (3, 4)):
+        with pytest.raises(ValueError, match=r"must give 1 to 3 sources for each of the 2 queries"):
+            depth_route_lse(sources, query, gain, 1, counts=counts, backend=backend)
+
+
 def test_rows_span_several_gradient_blocks():
     """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
     assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
@@ -248,10 +288,12 @@ def test_checkpointed_and_deterministic():
 def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32], queries=2)
     u = query * gain
-    out, lse = op.route(sources, u, 4, 1e-6)
-    torch.library.opcheck(op.route_backward, (grad_out, None, lse, sources, u, 4, 1e-6))
-    torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, sources, u, 4, 1e-6))
-    torch.library.opcheck(op.route, ([v.requires_grad_() for v in sources], u.requires_grad_(), 4, 1e-6))
+    for counts in ([3, 3], [3, 2]):
+        out, lse = op.route(sources, u, 4, 1e-6, counts)
+        torch.library.opcheck(op.route_backward, (grad_out, None, lse, sources, u, 4, 1e-6, counts))
+        torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, sources, u, 4, 1e-6, counts))
+        leaves = [v.detach().requires_grad_() for v in sources]
+        torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
 
 
 @pytest.mark.parametrize("residual", ["mhar", "delta-mhar"])

@@ -51,7 +51,7 @@ class DeltaMHAR(DepthRouter):
 
     def enter(self, stream: Stream, l: int) -> Stream:
         p, block_start, *sources = stream
-        mixes, _ = self.route_shared(sources, l, count=2)
+        mixes, _ = self.route_shared(sources, l, counts=(len(sources), len(sources)))
         return (p, block_start, mixes, *sources)
 
     def read(self, stream: Stream, l: int) -> Tensor:

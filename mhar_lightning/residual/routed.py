@@ -85,11 +85,11 @@ class DepthRouter(Residual):
         j = self.site(l)
         return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
-    def route_shared(self, sources: Stream, l: int, count: int) -> tuple[Tensor, Tensor]:
-        """Mixes [count, ..., d] and log-sum-exps of sublayers l .. l + count - 1 over the sources they share,
-        in one pass; `merge` then adds each sublayer's own last source."""
-        sites = slice(self.site(l), self.site(l) + count)
-        return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
+    def route_shared(self, sources: Stream, l: int, counts: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """Mixes [Q, ..., d] and log-sum-exps of sublayers l .. l + Q - 1 in one pass over `sources`, sublayer l + k
+        reading the first counts[k]; `merge` then adds a source that did not exist yet."""
+        sites = slice(self.site(l), self.site(l) + len(counts))
+        return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS, counts)
 
     def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int) -> Tensor:
         """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact)."""
@@ -108,9 +108,10 @@ class MHAR(DepthRouter):
     N blocks of ceil(L / N) and routes over [embedding, finished block sums, in-block partial sum].
 
     The two sublayers of a transformer block differ only in their last source (the MLP's includes the
-    attention output), so `enter` routes both over the sources they share in one pass, and each read merges
-    its own last source through the log-sum-exp: every shared source is read once and its gradient written
-    once per transformer block. Inside a block the stream is (mixes, log-sum-exps, *sources).
+    attention output), so `enter` routes both in one pass: the attention read over the whole stream, the MLP
+    read over all but the in-block partial sum, which it merges through the log-sum-exp once the attention
+    output is added. Every source is read once and its gradient written once per transformer block.
+    Inside a block the stream is (mixes, log-sum-exps, *sources).
     """
 
     def __init__(self, heads: int = 8, blocks: int | None = None) -> None:
@@ -127,18 +128,18 @@ class MHAR(DepthRouter):
         self.build_sites(config, len(self.sites))
 
     def enter(self, stream: Stream, l: int) -> Stream:
-        shared = stream if l % self.block_len == 0 else stream[:-1]
-        return (*self.route_shared(shared, l, count=2), *stream)
+        n = len(stream)
+        counts = (n, n) if l % self.block_len == 0 else (n, n - 1)  # a block start has no partial sum yet
+        return (*self.route_shared(stream, l, counts), *stream)
 
     def read(self, stream: Stream, l: int) -> Tensor:
         if l == self.n_sublayers:  # the final read: one query over the whole stream
             return self.route(stream, l)
         mixes, lse, *sources = stream
         self.record(sources, l)
-        i = self.site(l)
-        if i == 0 and l % self.block_len == 0:  # a block starts here: the shared sources are all it reads
+        if self.site(l) == 0:
             return mixes[0]
-        return self.merge(mixes[i], lse[i], sources[-1], l)
+        return self.merge(mixes[1], lse[1], sources[-1], l)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
         mixes, lse, *sources = stream
