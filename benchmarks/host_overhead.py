@@ -40,19 +40,19 @@ def main() -> None:
     table, _, aligned, k0, kr = triton_route._table(src, lead)
     bh, bdh, warps = triton_route._launch_shape(D, HEADS, triton_route.ROW_ELEMS_PER_THREAD, False)
 
+    args = (table, S, S, S, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
+    constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1)
+
     def bare_launch():
-        triton_route._forward_kernel[(TOKENS,)](
-            table, S, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6,
-            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, num_warps=warps,
-        )  # fmt: skip
+        triton_route._forward_kernel[(TOKENS,)](*args, **constexprs, num_warps=warps)
 
     timeit("torch.empty", lambda: torch.empty(TOKENS, D, device="cuda"))
     timeit("_table (cached)", lambda: triton_route._table(src, lead))
     timeit("bare _forward_kernel launch", bare_launch)
     timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
     timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
-    timeit("op.route (custom op)", lambda: op.route(src, u, HEADS, 1e-6))
-    timeit("op.route_backward (custom op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
+    timeit("op.route (custom op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
+    timeit("op.route_backward (custom op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6, [S]))
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)
