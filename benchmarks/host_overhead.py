@@ -5,31 +5,77 @@ waits. This times, per call: an allocation, the cached pointer table, a bare Tri
 the custom ops, eager forward + backward, and a compiled forward + backward against a compiled graph of the
 same inputs without routing.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py                  # on the GPU
+    python benchmarks/host_overhead.py --stub-kernels   # any machine: the op layers alone, kernels stubbed
 """
 
+import argparse
+import os
 import time
 
 import torch
-from mhar_lightning.kernels import depth_route, op, triton_route
+from mhar_lightning.kernels import depth_route, depth_route_lse, op, triton_route
 
 S, D, HEADS, TOKENS = 5, 1024, 8, 8
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timeit(name: str, fn, n: int = 1000) -> None:
     """Mean time per call over n calls after warm-up; the GPU work is negligible, so this is host time."""
     for _ in range(30):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     print(f"{name:44s} {(t1 - t0) / n * 1e6:8.1f} us", flush=True)
 
 
+def stub_kernels() -> None:
+    """Replace both launchers by shaped empty outputs, so what is timed is the host cost of the layers above them;
+    TRITON_INTERPRET=1 lets `backend="triton"` take CPU tensors (no kernel runs)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+
+    def forward(sources, u, heads, eps, counts=(), out=None, lse=None):
+        lead = sources[0].shape[:-1]
+        out = torch.empty(u.shape[0], *lead, u.shape[-1], dtype=triton_route.out_dtype(sources))
+        return out, torch.empty(u.shape[0], *lead, heads)
+
+    def backward(grad_out, grad_lse, lse, sources, u, heads, eps, counts=(), grads=None):
+        du = torch.empty(triton_route.du_blocks(sources[0].shape[:-1].numel(), len(sources)), *u.shape)
+        return [torch.empty_like(v) for v in sources], du
+
+    triton_route.route_forward, triton_route.route_backward = forward, backward
+
+
+def time_shared_call(device: str) -> None:
+    """Forward + grad of the model's two-query call (second query one source short), eager and compiled."""
+    src = [torch.randn(1, TOKENS, D, device=device).requires_grad_() for _ in range(S)]
+    q, w = torch.randn(2, D, device=device, requires_grad=True), torch.randn(2, D, device=device, requires_grad=True)
+    leaves, go = [*src, q, w], torch.randn(2, 1, TOKENS, D, device=device)
+
+    def shared(*a):
+        out, lse = depth_route_lse(list(a[:S]), a[S], a[S + 1], HEADS, counts=(S, S - 1), backend="triton")
+        return out * 2 + lse.sum()
+
+    compiled = torch.compile(shared, fullgraph=True)
+    timeit("two-query call fwd+grad eager", lambda: torch.autograd.grad(shared(*leaves), leaves, go))
+    timeit("two-query call fwd+grad compiled", lambda: torch.autograd.grad(compiled(*leaves), leaves, go))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stub-kernels", action="store_true", help="time the op layers alone, on any machine")
+    if parser.parse_args().stub_kernels:
+        stub_kernels()
+        time_shared_call("cpu")
+        return
     dtypes = [torch.float32] + [torch.bfloat16] * (S - 1)
     src = [torch.randn(1, TOKENS, D, device="cuda").to(dt).requires_grad_() for dt in dtypes]
     q = torch.zeros(D, device="cuda", requires_grad=True)
@@ -59,6 +105,7 @@ def main() -> None:
     timeit("compiled fwd+grad", lambda: torch.autograd.grad(routed(*leaves), leaves, go), n=300)
     plain = torch.compile(lambda *a: sum(a[:S]) * 2)
     timeit("compiled sum-of-sources fwd+grad (baseline)", lambda: torch.autograd.grad(plain(*src), src, go), n=300)
+    time_shared_call("cuda")
 
 
 if __name__ == "__main__":
