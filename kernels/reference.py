@@ -14,7 +14,7 @@ def check_heads(d_model: int, heads: int) -> None:
         raise ValueError(f"heads={heads} must divide d_model={d_model}; use one of {divisors}")
 
 
-def check_counts(counts: "Sequence[int] | None", n_queries: int, n_sources: int) -> list[int]:
+def check_counts(counts: Sequence[int] | None, n_queries: int, n_sources: int) -> list[int]:
     """Leading sources per query (all by default); raise a one-line error unless each is 1 .. n_sources."""
     if counts is None:
         return [n_sources] * n_queries
