@@ -76,9 +76,7 @@ def depth_route(
     activation memory stays linear in depth.  The output has the promoted dtype of the sources.
     A [Q, d] query (and norm weight) routes Q queries over the same sources: output [Q, ..., d].
     """
-    if query.dim() == 2:
-        return torch.stack([depth_route(sources, q, g, heads, eps) for q, g in zip(query, norm_weight, strict=True)])
-    return _mix(depth_weights(sources, query, norm_weight, heads, eps), sources, heads)
+    return depth_route_lse(sources, query, norm_weight, heads, eps)[0]
 
 
 def depth_route_lse(
