@@ -1,8 +1,12 @@
-"""`mhar::depth_route` as a `torch.library` custom op over the Triton kernels.
+"""`mhar::depth_route` and `mhar::depth_route_backward`: `torch.library` ops over the Triton kernels, with autograd
+from a `torch.autograd.Function` that calls them.
 
-The op has fake (shape-only) implementations and a registered autograd formula whose backward is
-itself a custom op, so `torch.compile(fullgraph=True)` traces a block through it without graph
-breaks and checkpoint recomputation simply calls it again (no state is kept across calls).
+The ops have fake (shape-only) implementations, so `torch.compile(fullgraph=True)` traces a block through the
+Function without graph breaks, and checkpoint recomputation simply calls them again (no state is kept across
+calls). Their autograd key falls through in C++: a `custom_op` would run its autograd and aliasing-check
+layers in Python on every call, also inside compiled graphs, which costs more host time than the kernel
+launches themselves (benchmarks/NOTES.md, v8). Call the ops through `depth_route_lse`: called directly they
+record no gradient.
 The autograd context saves only the sources (references) and the per-head log-sum-exp: the backward
 recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
 The ops take Q folded queries `u = query * norm_weight` ([Q, d]: every query reads the sources in the same
@@ -20,23 +24,27 @@ from mhar_lightning.kernels import triton_route
 from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
+_LIB = torch.library.Library("mhar", "DEF")
+_LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor, Tensor)")
+_LIB.define(
+    "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor[] sources, Tensor u, int heads, "
+    "float eps, int[] counts) -> Tensor[]"
+)
 
-@torch.library.custom_op("mhar::depth_route", mutates_args=())
-def route(sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]) -> tuple[Tensor, Tensor]:
+
+def _route(sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]) -> tuple[Tensor, Tensor]:
     """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and log-sum-exps [Q, ..., heads] (fp32);
     query k reads the first counts[k] sources."""
     return triton_route.route_forward(sources, u, heads, eps, counts)
 
 
-@route.register_fake
 def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
     out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
     return out, sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
 
 
-@torch.library.custom_op("mhar::depth_route_backward", mutates_args=())
-def route_backward(
+def _route_backward(
     grad_out: Tensor,
     grad_lse: Tensor | None,
     lse: Tensor,
@@ -52,30 +60,43 @@ def route_backward(
     return [*grads, du_parts]
 
 
-@route_backward.register_fake
 def _route_backward_fake(grad_out, grad_lse, lse, sources, u, heads, eps, counts):
     rows = sources[0].shape[:-1].numel()
     du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
-def _setup_context(ctx, inputs, output):
-    sources, u, heads, eps, counts = inputs
-    out, lse = output
-    ctx.save_for_backward(lse, u, *sources)
-    ctx.out_meta = (out.shape, out.dtype)
-    ctx.heads, ctx.eps, ctx.counts = heads, eps, counts
+for _name, _impl, _fake in (
+    ("depth_route", _route, _route_fake),
+    ("depth_route_backward", _route_backward, _route_backward_fake),
+):
+    _LIB.impl(_name, _impl, "CPU")  # the Triton interpreter (TRITON_INTERPRET=1)
+    _LIB.impl(_name, _impl, "CUDA")
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"mhar::{_name}", _fake, lib=_LIB)
+
+route = torch.ops.mhar.depth_route.default
+route_backward = torch.ops.mhar.depth_route_backward.default
 
 
-def _backward(ctx, grad_out, grad_lse):
-    lse, u, *sources = ctx.saved_tensors
-    if grad_out is None:  # only the log-sum-exp was used
-        grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
-    *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps, ctx.counts)
-    return grads, du_parts.sum(0), None, None, None
+class _Route(torch.autograd.Function):
+    """Autograd of `route`: the backward op recomputes the softmax from the saved sources and log-sum-exp."""
 
+    @staticmethod
+    def forward(ctx, u: Tensor, heads: int, eps: float, counts: list[int], *sources: Tensor):
+        out, lse = route(list(sources), u, heads, eps, counts)
+        ctx.save_for_backward(lse, u, *sources)
+        ctx.out_meta = (out.shape, out.dtype)
+        ctx.heads, ctx.eps, ctx.counts = heads, eps, counts
+        return out, lse
 
-route.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        lse, u, *sources = ctx.saved_tensors
+        if grad_out is None:  # only the log-sum-exp was used
+            grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
+        *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps, ctx.counts)
+        return du_parts.sum(0), None, None, None, *grads
 
 
 def depth_route_lse(
@@ -109,7 +130,7 @@ def depth_route_lse(
     routes = []
     for first in range(0, len(u), triton_route.MAX_QUERIES):
         chunk = counts[first : first + triton_route.MAX_QUERIES]
-        routes.append(route(sources[: max(chunk)], u[first : first + len(chunk)], heads, eps, chunk))
+        routes.append(_Route.apply(u[first : first + len(chunk)], heads, eps, chunk, *sources[: max(chunk)]))
     out, lse = routes[0] if len(routes) == 1 else (torch.cat(parts) for parts in zip(*routes, strict=True))
     out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
     return (out, lse) if query.dim() == 2 else (out[0], lse[0])
