@@ -2,7 +2,7 @@
 
 At 350m a training step makes about 50 routing calls; when each costs more host time than GPU time the GPU
 waits. This times, per call: an allocation, the cached pointer table, a bare Triton launch, the launchers,
-the custom ops, eager forward + backward, and a compiled forward + backward against a compiled graph of the
+the library ops, eager forward + backward, and a compiled forward + backward against a compiled graph of the
 same inputs without routing.
 
     python benchmarks/host_overhead.py                  # on the GPU
@@ -97,8 +97,8 @@ def main() -> None:
     timeit("bare _forward_kernel launch", bare_launch)
     timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
     timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
-    timeit("op.route (custom op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
-    timeit("op.route_backward (custom op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6, [S]))
+    timeit("op.route (library op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
+    timeit("op.route_backward (library op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6, [S]))
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)
