@@ -6,7 +6,7 @@ source once and writes one gradient per source. The fraction printed is floor / 
 the backward launcher alone (its two kernels and host work).
 
     python benchmarks/routing.py [--tokens 16384] [--out results.json]
-    python benchmarks/routing.py --tokens 8192 --apply-rows 32   # device time per kernel and launch shape
+    python benchmarks/routing.py --apply-rows 32 --elems 8,16,32   # device time per kernel and launch shape
 """
 
 import argparse
@@ -79,36 +79,51 @@ def kernel_times(fn, reps: int = 20) -> dict[str, float]:
     return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
 
 
-def sweep_kernel_shapes(apply_rows: str, tokens: int) -> None:
-    """Device time of each backward kernel per `triton_route.APPLY_ROWS`, and of the per-row kernels per
-    `triton_route.ROW_ELEMS_PER_THREAD`, at model shapes (fp32 embedding + bf16 sources, H = 8); then all-bf16
-    sources with one and two queries per call."""
-    defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD
-    for d, S in ((2048, 5), (2048, 17), (1024, 5), (768, 5)):
-        sources, query, gain = make(tokens, d, S, mixed=True)
-        u = (query * gain).detach()[None]
-        go = torch.randn(1, tokens, d, device="cuda")
-        _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
-        for rows in map(int, apply_rows.split(",")):
-            for elems in (8, 16):
-                triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = rows, elems
-                times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
-                times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6))
-                kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
-                print(f"d={d} S={S} apply rows {rows} elems/thread {elems}: {kernels}", flush=True)
-    triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults
-    for d, S in ((2048, 5), (1024, 5), (2048, 17)):  # all-bf16 sources, as in the model under autocast
+MODEL_SHAPES = (  # (label, tokens, d, sources, queries): routing calls of the throughput presets, all-bf16 sources;
+    # with two queries the second reads one source fewer, as in a transformer block's shared call
+    ("350m block", 16384, 1024, 5, 2),
+    ("350m block", 16384, 1024, 9, 2),
+    ("350m full", 16384, 1024, 25, 2),
+    ("1b block", 8192, 2048, 5, 2),
+    ("1b block", 8192, 2048, 9, 2),
+    ("1b full", 8192, 2048, 17, 2),
+    ("1b final read", 8192, 2048, 9, 1),
+)
+
+
+def kernel_floors(tokens: int, d: int, S: int, queries: int, bw: float) -> dict[str, float]:
+    """Byte floor of each kernel in ms (bf16 rows): what it must read and write once."""
+    row = tokens * d * 2
+    moved = {
+        "_forward_kernel": S + queries,
+        "_backward_stats_kernel": S + queries,
+        "_backward_apply_kernel": 2 * S + queries,
+    }
+    return {k: n * row / bw * 1e3 for k, n in moved.items()}
+
+
+def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
+    """Device time of each kernel, and its fraction of the byte floor, per `triton_route.APPLY_ROWS` and per
+    row-tile elements per thread (`triton_route.ROW_ELEMS_PER_THREAD`, the warps of every kernel: no minimum),
+    at MODEL_SHAPES."""
+    defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD, dict(triton_route.MIN_WARPS)
+    triton_route.MIN_WARPS.update(forward=1, stats=1, apply=1)
+    for label, tokens, d, S, queries in MODEL_SHAPES:
         sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
-        for queries, elems in itertools.product((1, 2), (8, 16)):
-            triton_route.ROW_ELEMS_PER_THREAD = elems
-            u = 0.1 * torch.randn(queries, d, device="cuda")
-            go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
-            _, lse = triton_route.route_forward(sources, u, 8, 1e-6)
-            times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6))
-            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6))
-            kernels = "  ".join(f"{k} {v:.3f}" for k, v in times.items() if k.startswith("_"))
-            print(f"d={d} S={S} bf16, {queries} queries in one call, elems/thread {elems}: {kernels}", flush=True)
-    triton_route.ROW_ELEMS_PER_THREAD = defaults[1]
+        u = 0.1 * torch.randn(queries, d, device="cuda")
+        go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
+        counts = (S, S - 1)[:queries]
+        _, lse = triton_route.route_forward(sources, u, 8, 1e-6, counts)
+        floors = kernel_floors(tokens, d, S, queries, bw)
+        for rows, e in itertools.product(map(int, apply_rows.split(",")), map(int, elems.split(","))):
+            triton_route.APPLY_ROWS = rows
+            triton_route.ROW_ELEMS_PER_THREAD = e
+            times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6, counts))
+            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6, counts))
+            kernels = "  ".join(f"{k} {v:.3f} ({floors[k] / v:.2f})" for k, v in times.items() if k in floors)
+            print(f"{label} (d={d} S={S} Q={queries}) apply rows {rows} elems/thread {e}: {kernels}", flush=True)
+    triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults[:2]
+    triton_route.MIN_WARPS.update(defaults[2])
 
 
 def main() -> None:
@@ -120,12 +135,13 @@ def main() -> None:
     )
     parser.add_argument("--sources", default="2,5,9,25,49", help="numbers of sources S to time")
     parser.add_argument("--apply-rows", default=None, help="only time each kernel per launch shape, e.g. 16,32,64")
+    parser.add_argument("--elems", default="8,16,32", help="row-tile elements per thread to sweep with --apply-rows")
     args = parser.parse_args()
-    if args.apply_rows:
-        return sweep_kernel_shapes(args.apply_rows, args.tokens)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s")
+    if args.apply_rows:
+        return sweep_kernel_shapes(args.apply_rows, args.elems, bw)
     compiled_ref = torch.compile(reference.depth_route, dynamic=False)
     rows = []
     for d in (1024, 2048):

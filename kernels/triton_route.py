@@ -139,7 +139,7 @@ def _forward_kernel(
         _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, True, True, Q
     )
     for n in range(1, S):
-        c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
+        c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
         m0, z0, acc0, m1, z1, acc1 = _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, n < S0, n < S1, Q)
         a32, a16, b32, b16 = b32, b16, c32, c16
@@ -151,26 +151,30 @@ def _forward_kernel(
 
 
 @triton.jit
-def _stats_step(x, r, u, go, lse, delta, at, hmask, p_ptr, q_ptr, live):
-    """For one query and source row x: store z and s (in the p and q buffers) and add p s to delta."""
+def _stats_step(x, r, u, go, lse, delta, live):
+    """One query's logits z and sums s = <go, x> per head for source row x, and delta with p s added."""
     z = tl.where(live, r * tl.sum(x * u, axis=1), MASKED_LOGIT)
     s = tl.sum(go * x, axis=1)
-    tl.store(p_ptr + at, z, mask=hmask)
-    tl.store(q_ptr + at, s, mask=hmask)
-    return delta + tl.exp(z - lse) * s
+    return z, s, delta + tl.exp(z - lse) * s
 
 
 @triton.jit
 def _stats_both(
-    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, hmask, r_at, p_ptr, q_ptr, c_ptr, D, H, eps, live0, live1,
+    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, h, hmask, r_at, p_ptr, c_ptr, D, H, eps, live0, live1,
     Q: tl.constexpr,
 ):  # fmt: skip
-    """`_stats_step` for each query, and r stored once in the c buffer."""
+    """`_stats_step` for each query. The z and s of every query leave in one store of a [heads, 2 Q] tile (into
+    the p and q halves of the source's slot): per-head values are stored through shared memory, so each store
+    costs two barriers. r goes to the c buffer."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
     tl.store(c_ptr + r_at, r)
-    delta0 = _stats_step(x, r, u0, go0, lse0, delta0, at, hmask, p_ptr, q_ptr, live0)
+    k = tl.arange(0, 2 * Q)[None, :]
+    z, s, delta0 = _stats_step(x, r, u0, go0, lse0, delta0, live0)
+    zs = tl.where(k == 0, z[:, None], s[:, None])
     if Q == 2:
-        delta1 = _stats_step(x, r, u1, go1, lse1, delta1, at + H, hmask, p_ptr, q_ptr, live1)
+        z, s, delta1 = _stats_step(x, r, u1, go1, lse1, delta1, live1)
+        zs = tl.where(k == 1, z[:, None], tl.where(k == 3, s[:, None], zs))
+    tl.store(p_ptr + at + k * H + h[:, None], zs, mask=hmask[:, None])
     return delta0, delta1
 
 
@@ -213,15 +217,15 @@ def _backward_stats_kernel(
     delta1 = delta0
     x = _value(x32, x16, K0)
     delta0, delta1 = _stats_both(
-        x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * Q * H + h, hmask, row * S, p_ptr, q_ptr, c_ptr,
+        x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * 2 * Q * H, h, hmask, row * S, p_ptr, c_ptr,
         D, H, eps, True, True, Q,
     )  # fmt: skip
     for n in range(1, S):
-        c32, c16 = _issue(table, (n + 2) % S, n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
+        c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
         delta0, delta1 = _stats_both(
-            x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * Q * H + h, hmask, row * S + n,
-            p_ptr, q_ptr, c_ptr, D, H, eps, n < S0, n < S1, Q,
+            x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * 2 * Q * H, h, hmask, row * S + n,
+            p_ptr, c_ptr, D, H, eps, n < S0, n < S1, Q,
         )  # fmt: skip
         a32, a16, b32, b16 = b32, b16, c32, c16
     if HAS_GLSE:
@@ -233,7 +237,7 @@ def _backward_stats_kernel(
         ns = first + tl.arange(0, SC)
         nmask = ns < S
         smask = nmask[:, None] & hmask[None, :]
-        at = (row * S + ns[:, None]) * Q * H + h[None, :]
+        at = (row * S + ns[:, None]) * 2 * Q * H + h[None, :]
         z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, smask, lse0[None, :], delta0[None, :])
         zdz = tl.sum(tl.where(smask, dz0 * z0, 0.0), axis=1)
         if Q == 2:
@@ -261,7 +265,7 @@ def _apply_rows(
     du1 = du0
     for i in range(count):
         row = first + i
-        at = (row * S + n) * Q * H + h
+        at = (row * S + n) * 2 * Q * H + h
         q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
         go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
@@ -312,6 +316,7 @@ def _backward_apply_kernel(
 
 MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
+MIN_WARPS = {"forward": 4, "stats": 1, "apply": 4}  # per kernel: 2 warps at d = 1024 speed up only the statistics
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
@@ -380,11 +385,12 @@ def _table(
 
 
 @functools.cache
-def _launch_shape(d: int, heads: int, elems_per_thread: int, interpreted: bool) -> tuple[int, int, int]:
-    """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile."""
+def _launch_shape(d: int, heads: int, elems_per_thread: int, min_warps: int, interpreted: bool) -> tuple[int, int, int]:
+    """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile (at least
+    `min_warps`)."""
     bh = triton.next_power_of_2(heads)
     bdh = triton.next_power_of_2(d // heads)
-    warps = 1 if interpreted else min(16, max(4, bh * bdh // (32 * elems_per_thread)))
+    warps = 1 if interpreted else min(16, max(min_warps, bh * bdh // (32 * elems_per_thread)))
     return bh, bdh, warps
 
 
@@ -430,7 +436,7 @@ def route_forward(
         out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["forward"], _interpreted())
     if rows:
         _forward_kernel[(rows,)](
             table, len(sources), s0, s1, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads, eps,
@@ -472,15 +478,16 @@ def route_backward(
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
     glse = lse if grad_lse is None else grad_lse.contiguous()  # any fp32 pointer when unused
-    p = torch.empty(rows, S, n_queries, heads, dtype=torch.float32, device=u.device)
-    q = torch.empty_like(p)
+    pq = torch.empty(rows, S, 2, n_queries, heads, dtype=torch.float32, device=u.device)
+    p, q = pq[:, :, 0], pq[:, :, 1]  # a source's p and q side by side: the statistics kernel stores both at once
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, _interpreted())
+    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["stats"], _interpreted())
     _backward_stats_kernel[(rows,)](
         table, S, s0, s1, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip
+    warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["apply"], _interpreted())[2]
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
