@@ -9,10 +9,15 @@ over them; host ms is the median time Python takes to issue a step (close to the
 waits on the host).
 
     python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
+
+`--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
+each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
+between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
 """
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -121,6 +126,31 @@ def run(preset: str, variant: str, precision: str, steps: int, warmup: int, with
     return row
 
 
+def print_summary(rows: list[dict]) -> None:
+    """One line per preset, precision and variant: medians over repeats, and ratios to `sum` of the same repeat
+    (their median, and their range when there are several repeats)."""
+    print(
+        f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'range':>13} {'peak GiB':>9} "
+        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'compile s':>9}"
+    )
+    keys = list(dict.fromkeys((r["preset"], r["precision"], r["variant"]) for r in rows))
+    for preset, precision, variant in keys:
+        mine = [r for r in rows if (r["preset"], r["precision"], r["variant"]) == (preset, precision, variant)]
+        bases = {
+            r["repeat"]: r for r in rows if (r["preset"], r["precision"], r["variant"]) == (preset, precision, "sum")
+        }
+        paired = [(r, bases.get(r["repeat"], r)) for r in mine]
+        speed = [r["tok_s"] / b["tok_s"] for r, b in paired]
+        memory = [r["peak_gib"] / b["peak_gib"] for r, b in paired]
+        spread = f"{min(speed):.3f}-{max(speed):.3f}" if len(speed) > 1 else ""
+        print(
+            f"{preset:>6} {precision:>9} {variant:>16} {statistics.median(r['tok_s'] for r in mine):9.0f} "
+            f"{statistics.median(speed):6.3f} {spread:>13} {max(r['peak_gib'] for r in mine):9.2f} "
+            f"{statistics.median(memory):6.3f} {statistics.median(r['step_s'] for r in mine) * 1e3:8.1f} "
+            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {mine[0]['compile_s']:9.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="100m,350m,1b")
@@ -130,6 +160,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print each variant's GPU time per kernel")
+    parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
     unknown = set(precisions) - {"autocast", "fsdp-bf16"}
@@ -148,8 +179,8 @@ def main() -> None:
     )
     rows = []
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
-    for preset, precision, variant in runs:
-        row = run(preset, variant, precision, args.steps, args.warmup, args.profile)
+    for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
+        row = run(preset, variant, precision, args.steps, args.warmup, args.profile) | {"repeat": repeat}
         gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
         torch.cuda.empty_cache()
         torch._dynamo.reset()
@@ -158,19 +189,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
-    print(
-        f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'peak GiB':>9} {'x sum':>6} "
-        f"{'step ms':>8} {'host ms':>8} {'compile s':>9}"
-    )
-    for r in rows:
-        same = [b for b in rows if (b["preset"], b["precision"]) == (r["preset"], r["precision"])]
-        base = next((b for b in same if b["variant"] == "sum"), r)
-        print(
-            f"{r['preset']:>6} {r['precision']:>9} {r['variant']:>16} "
-            f"{r['tok_s']:9.0f} {r['tok_s'] / base['tok_s']:6.3f} "
-            f"{r['peak_gib']:9.2f} {r['peak_gib'] / base['peak_gib']:6.3f} "
-            f"{r['step_s'] * 1e3:8.1f} {r['host_s'] * 1e3:8.1f} {r['compile_s']:9.1f}"
-        )
+    print_summary(rows)
     if dist.is_initialized():
         dist.destroy_process_group()
 
