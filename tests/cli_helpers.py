@@ -1,6 +1,8 @@
 """Shared pieces of the CLI, recipe and resume tests: fast overrides, a stop callback and event readers."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -9,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "recipes" / "demo.yaml"
+DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
 
 
 def fast_demo_args(root: Path, max_steps: int) -> list[str]:
@@ -64,3 +67,12 @@ def env_with_tests_on_path() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     return env
+
+
+def run_ddp(args: list[str]) -> None:
+    """`python -m mhar_lightning.cli` with 2 CPU processes; Lightning launches the second rank itself."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mhar_lightning.cli", *args, *DDP],
+        check=False, env=env_with_tests_on_path(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_helpers import fast_demo_args, run_ddp
 from mhar_lightning.callbacks import DepthAttentionLogger
 from mhar_lightning.callbacks.plots import CMAP, NORM, depth_map_figure, to_image
 from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, log_at_train_end, scalar, small_corpus
@@ -33,6 +34,21 @@ def test_demo_fit_logs_maps_and_scalars(tmp_path, corpus):
     saved = DepthMaps.load(log_dir / "depth_attention" / "step_0000003.npz")
     assert saved.site_labels[-1] == "final" and saved.heads == 4
     assert scalar(accumulator, "depth_emb_weight/attn_0") == pytest.approx(1.0)  # the first sublayer sees only emb
+
+
+def test_two_ddp_ranks_probe_together_into_one_run(tmp_path, corpus):
+    """`mhar fit` on 2 DDP processes (gloo, CPU): both ranks run the probes (a collective) without deadlock, and the
+    run has one TensorBoard folder and one `.npz`. Its weights are the mean over ranks of softmax maps, so each
+    site's still sum to 1 (a sum over ranks would give 2)."""
+    root = tmp_path / "run"
+    run_ddp([*fast_demo_args(root, 3), "--data.path", str(corpus)])
+    runs = sorted((root / "tensorboard").iterdir())
+    assert [run.name for run in runs] == ["version_0"]
+    assert sorted(p.name for p in (runs[0] / "depth_attention").iterdir()) == ["step_0000003.npz"]
+    saved = DepthMaps.load(runs[0] / "depth_attention" / "step_0000003.npz")
+    np.testing.assert_allclose(np.nansum(saved.weights, axis=-1), 1.0, rtol=1e-5)
+    tags = events(runs[0]).Tags()
+    assert "depth_attention/mean" in tags["images"] and "head_js/final" in tags["scalars"]
 
 
 def test_delta_gates_are_logged_as_scalars_and_histogram(tmp_path):

@@ -5,28 +5,16 @@ resumes it from the checkpoint and continues to N. The per-step training losses 
 TensorBoard) and the final weights must be identical, on one process and on two DDP processes (gloo, CPU).
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import env_with_tests_on_path, fast_demo_args, final_weights, scalars
+from cli_helpers import fast_demo_args, final_weights, run_ddp, scalars
 
 from mhar_lightning.cli import main
 
 N, K = 8, 4
 STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", f"--trainer.callbacks.step={K}"]
-DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-
-
-def run_ddp(args: list[str]) -> None:
-    """`python -m mhar_lightning.cli` with 2 CPU processes; Lightning launches the second rank itself."""
-    done = subprocess.run(
-        [sys.executable, "-m", "mhar_lightning.cli", *args, *DDP],
-        check=False, env=env_with_tests_on_path(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("launch", [main, run_ddp], ids=["single", "ddp-2"])
