@@ -4,7 +4,8 @@ Lightning starts the other ranks.
 
 Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-rank{r}.json` (local vs global
 parameter elements) and, at the end, the all-gathered weights to `OUT/gathered.pt`. `--kill-at` ends every
-rank abruptly after that step, as a pre-emption would.
+rank abruptly after that step, as a pre-emption would. `--probe-every N` adds the depth-attention probe, whose
+maps land in `OUT/depth_attention/`.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from mhar_lightning.callbacks import DepthAttentionLogger
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--resume", help="checkpoint path or 'last'")
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--probe-every", type=int, default=0, help="depth-attention probe every N steps (0: off)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -96,6 +99,8 @@ def main() -> None:
         verify_checksums=False,
     )
     callbacks = [Record(args.out, args.kill_at), SameWorldSize()]
+    if args.probe_every:
+        callbacks.append(DepthAttentionLogger(every_n_steps=args.probe_every))
     if args.ckpt_every:
         callbacks.append(
             ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link")
@@ -108,6 +113,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        default_root_dir=args.out,
         strategy=strategy,
         max_steps=args.steps,
         use_distributed_sampler=False,

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fsdp_helpers import DELTA, MHAR, converted_init, losses, run_ranks, tiny_corpus
@@ -14,6 +15,7 @@ from mhar_lightning.parallel import (
     apply_activation_checkpointing,
     memory_plan,
 )
+from mhar_lightning.probe import DepthMaps
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -53,10 +55,13 @@ def _mean_losses(out: Path, ranks: int) -> list[float]:
 def test_sharded_losses_match_one_process(
     workdir: Path, residual: dict, tie: bool, checkpointing: str, replicas: int, devices: int
 ) -> None:
-    """Per-step losses (mean over ranks) equal the single-process run's; every rank holds 1/shards of the model."""
+    """Per-step losses (mean over ranks) equal the single-process run's; every rank holds 1/shards of the model. The
+    depth-attention probe after the last step (every rank in the sharded forward and the query gathers, each on its
+    share of the first batch, averaged over ranks) gives the single process's maps."""
     _, init = converted_init(workdir, residual, tie=tie)
     tag = init.name
     common = ["--init", str(init), "--residual", json.dumps(residual), *([] if tie else ["--untied"])]
+    common += ["--probe-every", str(STEPS)]
     single = _run(workdir, f"single-{tag}", *common, "--devices", "1", "--batch", str(GLOBAL_BATCH))
     sharded = _run(
         workdir,
@@ -79,6 +84,10 @@ def test_sharded_losses_match_one_process(
     for rank in range(devices):
         held = json.loads((sharded / f"shards-rank{rank}.json").read_text())
         assert held["local"] == pytest.approx(held["total"] / shards, rel=0.01)
+    maps = [DepthMaps.load(out / "depth_attention" / f"step_{STEPS:07d}.npz") for out in (single, sharded)]
+    assert maps[0].site_labels == maps[1].site_labels and maps[0].source_labels == maps[1].source_labels
+    for field in ("weights", "query_weights"):
+        np.testing.assert_allclose(getattr(maps[1], field), getattr(maps[0], field), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
