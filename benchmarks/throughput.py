@@ -10,6 +10,10 @@ waits on the host).
 
     python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
 
+`--compiled-autograd` captures each step's backward as one compiled graph (torch's compiled autograd), so the
+gradient sums of sources read by several routing calls can fuse and the autograd engine's per-node host work
+goes; it applies to every variant of the run, `sum` included.
+
 `--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
 each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
 between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import triton
+from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
 from mhar_lightning.config import ModelConfig
@@ -69,7 +74,15 @@ def profile(step, label: str) -> float:
     return sum(e.self_device_time_total for e in averages) * 1e-6
 
 
-def run(preset: str, variant: str, precision: str, steps: int, warmup: int, with_profile: bool = False) -> dict:
+def run(
+    preset: str,
+    variant: str,
+    precision: str,
+    steps: int,
+    warmup: int,
+    with_profile: bool = False,
+    compiled_autograd: bool = False,
+) -> dict:
     cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
     name, kwargs = VARIANTS[variant]
     model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
@@ -85,7 +98,8 @@ def run(preset: str, variant: str, precision: str, steps: int, warmup: int, with
     def step() -> None:
         with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
+        with maybe_enable_compiled_autograd(compiled_autograd, fullgraph=False, dynamic=False):
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -161,6 +175,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true", help="print each variant's GPU time per kernel")
     parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times")
+    parser.add_argument(
+        "--compiled-autograd",
+        action="store_true",
+        help="capture each backward whole (torch's compiled autograd), for every variant of the run",
+    )
     args = parser.parse_args()
     precisions = args.precisions.split(",")
     unknown = set(precisions) - {"autocast", "fsdp-bf16"}
@@ -180,7 +199,8 @@ def main() -> None:
     rows = []
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
-        row = run(preset, variant, precision, args.steps, args.warmup, args.profile) | {"repeat": repeat}
+        row = run(preset, variant, precision, args.steps, args.warmup, args.profile, args.compiled_autograd)
+        row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd}
         gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
         torch.cuda.empty_cache()
         torch._dynamo.reset()

@@ -17,6 +17,7 @@ from mhar_lightning.kernels import (
     resolve_backend,
     triton_route,
 )
+from torch._dynamo.utils import maybe_enable_compiled_autograd
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"  # small cases run on the card when there is one, else in the interpreter
@@ -265,6 +266,26 @@ def test_kernels_refuse_more_than_two_queries():
     sources, query, gain, _ = make(2, 8, (1, 2), [torch.float32] * 2, queries=3)
     with pytest.raises(ValueError, match="1 to 2 queries per call, got 3; split them"):
         triton_route.route_forward(sources, query * gain, 1, 1e-6)
+
+
+def test_compiled_autograd_matches_eager():
+    """With the whole backward captured by torch's compiled autograd (`throughput.py --compiled-autograd`), the
+    fused ops' gradients, the log-sum-exp's included, equal those of eager autograd."""
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    sources, query, gain, grad_out = make(4, 40, (2, 3), dtypes, seed=5, queries=2)
+
+    def grads(compiled: bool) -> list[torch.Tensor]:
+        leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
+        out, lse = depth_route_lse(leaves[:4], leaves[4], leaves[5], 8, counts=(4, 3), backend="triton")
+        loss = (out.float() * grad_out).sum() + lse.square().sum()
+        with maybe_enable_compiled_autograd(compiled, fullgraph=False, dynamic=False):
+            loss.backward()
+        return [v.grad for v in leaves]
+
+    compiles = torch._dynamo.utils.counters["compiled_autograd"]["compiles"]
+    for eager, captured in zip(grads(False), grads(True), strict=True):
+        assert rel(captured, eager) < 1e-6
+    assert torch._dynamo.utils.counters["compiled_autograd"]["compiles"] > compiles  # the backward was captured
 
 
 def test_checkpointed_and_deterministic():
