@@ -1,4 +1,5 @@
-"""Shared pieces of the CLI, recipe and resume tests: fast overrides, a stop callback and event readers."""
+"""Shared pieces of the CLI, recipe, resume and callback tests: fast overrides, a stop callback, event readers and
+a two-process DDP launch."""
 
 import os
 import subprocess
