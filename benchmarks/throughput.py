@@ -181,6 +181,8 @@ def main() -> None:
         help="capture each backward whole (torch's compiled autograd), for every variant of the run",
     )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: use 1 or more")
     precisions = args.precisions.split(",")
     unknown = set(precisions) - {"autocast", "fsdp-bf16"}
     if unknown:
