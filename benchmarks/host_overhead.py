@@ -42,12 +42,12 @@ def stub_kernels() -> None:
     TRITON_INTERPRET=1 lets `backend="triton"` take CPU tensors (no kernel runs)."""
     os.environ["TRITON_INTERPRET"] = "1"
 
-    def forward(sources, u, heads, eps, counts=(), out=None, lse=None):
+    def forward(sources, u, heads, eps, counts=(), out=None, lse=None, rms=None):
         lead = sources[0].shape[:-1]
         out = torch.empty(u.shape[0], *lead, u.shape[-1], dtype=triton_route.out_dtype(sources))
-        return out, torch.empty(u.shape[0], *lead, heads)
+        return out, torch.empty(u.shape[0], *lead, heads), torch.empty(lead.numel(), len(sources))
 
-    def backward(grad_out, grad_lse, lse, sources, u, heads, eps, counts=(), grads=None):
+    def backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts=(), grads=None):
         du = torch.empty(triton_route.du_blocks(sources[0].shape[:-1].numel(), len(sources)), *u.shape)
         return [torch.empty_like(v) for v in sources], du
 
@@ -82,13 +82,13 @@ def main() -> None:
     w = torch.ones(D, device="cuda", requires_grad=True)
     u, go = (q * w).detach()[None], torch.randn(1, TOKENS, D, device="cuda")
     lead = src[0].shape[:-1]
-    out, lse = triton_route.route_forward(src, u, HEADS, 1e-6)
+    out, lse, rms = triton_route.route_forward(src, u, HEADS, 1e-6)
     table, _, aligned, k0, kr = triton_route._table(src, lead)
     bh, bdh, warps = triton_route._launch_shape(
         D, HEADS, triton_route.ROW_ELEMS_PER_THREAD, triton_route.MIN_WARPS["forward"], False
     )
 
-    args = (table, S, S, S, u, out, lse, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
+    args = (table, S, S, S, u, out, lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
     constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1)
 
     def bare_launch():
@@ -98,9 +98,9 @@ def main() -> None:
     timeit("_table (cached)", lambda: triton_route._table(src, lead))
     timeit("bare _forward_kernel launch", bare_launch)
     timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
-    timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, src, u, HEADS, 1e-6))
+    timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, rms, src, u, HEADS))
     timeit("op.route (library op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
-    timeit("op.route_backward (library op)", lambda: op.route_backward(go[None], None, lse, src, u, HEADS, 1e-6, [S]))
+    timeit("op.route_backward (library op)", lambda: op.route_backward(go[None], None, lse, rms, src, u, HEADS, [S]))
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)

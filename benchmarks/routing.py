@@ -52,9 +52,9 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
 
     row = {"tokens": tokens, "d": d, "S": S, "heads": heads, "mixed": mixed}
     row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
-    _, lse = triton_route.route_forward(sources, u, heads, 1e-6)
+    _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
     row["bwd_ms"] = do_bench(
-        lambda: triton_route.route_backward(go[None], None, lse, sources, u, heads, 1e-6), return_mode="median"
+        lambda: triton_route.route_backward(go[None], None, lse, rms, sources, u, heads), return_mode="median"
     )
     row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
     row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
@@ -113,13 +113,13 @@ def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
         u = 0.1 * torch.randn(queries, d, device="cuda")
         go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
         counts = (S, S - 1)[:queries]
-        _, lse = triton_route.route_forward(sources, u, 8, 1e-6, counts)
+        _, lse, rms = triton_route.route_forward(sources, u, 8, 1e-6, counts)
         floors = kernel_floors(tokens, d, S, queries, bw)
         for rows, e in itertools.product(map(int, apply_rows.split(",")), map(int, elems.split(","))):
             triton_route.APPLY_ROWS = rows
             triton_route.ROW_ELEMS_PER_THREAD = e
             times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6, counts))
-            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, sources, u, 8, 1e-6, counts))
+            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, rms, sources, u, 8, counts))
             kernels = "  ".join(f"{k} {v:.3f} ({floors[k] / v:.2f})" for k, v in times.items() if k in floors)
             print(f"{label} (d={d} S={S} Q={queries}) apply rows {rows} elems/thread {e}: {kernels}", flush=True)
     triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults[:2]

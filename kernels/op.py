@@ -7,8 +7,9 @@ calls). Their autograd key falls through in C++: a `custom_op` would run its aut
 layers in Python on every call, also inside compiled graphs, which costs more host time than the kernel
 launches themselves (benchmarks/NOTES.md, v8). Call the ops through `depth_route_lse`: called directly they
 record no gradient.
-The autograd context saves only the sources (references) and the per-head log-sum-exp: the backward
-recomputes everything else from them, including <grad, mix> (exact even when the mix is stored in bf16).
+The autograd context saves only the sources (references), the per-head log-sum-exp and each source row's inverse
+RMS ([rows, S] fp32, so the backward need not reduce every row again): the backward recomputes everything else
+from them, including <grad, mix> (exact even when the mix is stored in bf16).
 The ops take Q folded queries `u = query * norm_weight` ([Q, d]: every query reads the sources in the same
 pass, so the sublayers that route over identical sources share one call and one gradient write per source)
 and return the partial sums of their gradient:
@@ -25,42 +26,45 @@ from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
 _LIB = torch.library.Library("mhar", "DEF")
-_LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor, Tensor)")
+_LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor, Tensor, Tensor)")
 _LIB.define(
-    "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor[] sources, Tensor u, int heads, "
-    "float eps, int[] counts) -> Tensor[]"
+    "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
+    "int heads, int[] counts) -> Tensor[]"
 )
 
 
-def _route(sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]) -> tuple[Tensor, Tensor]:
-    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and log-sum-exps [Q, ..., heads] (fp32);
-    query k reads the first counts[k] sources."""
+def _route(
+    sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32), log-sum-exps [Q, ..., heads] and the sources'
+    inverse RMS [rows, S] (fp32, for the backward); query k reads the first counts[k] sources."""
     return triton_route.route_forward(sources, u, heads, eps, counts)
 
 
 def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
     out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
-    return out, sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
+    lse = sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
+    return out, lse, sources[0].new_empty((lead.numel(), len(sources)), dtype=torch.float32)
 
 
 def _route_backward(
     grad_out: Tensor,
     grad_lse: Tensor | None,
     lse: Tensor,
+    rms: Tensor,
     sources: list[Tensor],
     u: Tensor,
     heads: int,
-    eps: float,
     counts: list[int],
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
-    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, sources, u, heads, eps, counts)
+    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
-def _route_backward_fake(grad_out, grad_lse, lse, sources, u, heads, eps, counts):
+def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
     rows = sources[0].shape[:-1].numel()
     du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
@@ -80,22 +84,23 @@ route_backward = torch.ops.mhar.depth_route_backward.default
 
 
 class _Route(torch.autograd.Function):
-    """Autograd of `route`: the backward op recomputes the softmax from the saved sources and log-sum-exp."""
+    """Autograd of `route`: the backward op recomputes the softmax from the saved sources, log-sum-exp and inverse
+    RMS."""
 
     @staticmethod
     def forward(ctx, u: Tensor, heads: int, eps: float, counts: list[int], *sources: Tensor):
-        out, lse = route(list(sources), u, heads, eps, counts)
-        ctx.save_for_backward(lse, u, *sources)
+        out, lse, rms = route(list(sources), u, heads, eps, counts)
+        ctx.save_for_backward(lse, rms, u, *sources)
         ctx.out_meta = (out.shape, out.dtype)
-        ctx.heads, ctx.eps, ctx.counts = heads, eps, counts
+        ctx.heads, ctx.counts = heads, counts
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        lse, u, *sources = ctx.saved_tensors
+        lse, rms, u, *sources = ctx.saved_tensors
         if grad_out is None:  # only the log-sum-exp was used
             grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
-        *grads, du_parts = route_backward(grad_out, grad_lse, lse, sources, u, ctx.heads, ctx.eps, ctx.counts)
+        *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts)
         return du_parts.sum(0), None, None, None, *grads
 
 

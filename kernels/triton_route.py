@@ -109,9 +109,10 @@ def _mix_step(x, r, u, m, z_sum, acc, live):
 
 
 @triton.jit
-def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, live0, live1, Q: tl.constexpr):
-    """`_mix_step` for each query (the RMS is shared)."""
+def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, r_ptr, D, eps, live0, live1, Q: tl.constexpr):
+    """`_mix_step` for each query (the RMS is shared, and stored at `r_ptr` for the backward)."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
+    tl.store(r_ptr, r)
     m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0, live0)
     if Q == 2:
         m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1, live1)
@@ -120,11 +121,11 @@ def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, live0, live1, Q: tl
 
 @triton.jit
 def _forward_kernel(
-    table, S, S0, S1, u_ptr, out_ptr, lse_ptr, M, M1, D, H, DH, eps,
+    table, S, S0, S1, u_ptr, out_ptr, lse_ptr, rms_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """One row per program, every query at once: source 0 (kind K0), then sources 1.. (kind KR) with two
-    loads in flight. Query k reads sources 0 .. Sk - 1."""
+    loads in flight. Query k reads sources 0 .. Sk - 1. Each source's inverse RMS goes to rms [rows, S]."""
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
@@ -136,12 +137,14 @@ def _forward_kernel(
     acc0 = tl.zeros([BH, BDH], tl.float32)
     m1, z1, acc1 = m0, z0, acc0
     m0, z0, acc0, m1, z1, acc1 = _mix_both(
-        _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, True, True, Q
+        _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S, D, eps, True, True, Q
     )
     for n in range(1, S):
         c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
-        m0, z0, acc0, m1, z1, acc1 = _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, D, eps, n < S0, n < S1, Q)
+        m0, z0, acc0, m1, z1, acc1 = _mix_both(
+            x, u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S + n, D, eps, n < S0, n < S1, Q
+        )
         a32, a16, b32, b16 = b32, b16, c32, c16
     tl.store(out_ptr + row * D + cols, (acc0 / z0[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + row * H + h, m0 + tl.log(z0), mask=h < H)
@@ -160,14 +163,11 @@ def _stats_step(x, r, u, go, lse, delta, live):
 
 @triton.jit
 def _stats_both(
-    x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, h, hmask, r_at, p_ptr, c_ptr, D, H, eps, live0, live1,
-    Q: tl.constexpr,
-):  # fmt: skip
-    """`_stats_step` for each query. The z and s of every query leave in one store of a [heads, 2 Q] tile (into
-    the p and q halves of the source's slot): per-head values are stored through shared memory, so each store
-    costs two barriers. r goes to the c buffer."""
-    r = tl.rsqrt(tl.sum(x * x) / D + eps)
-    tl.store(c_ptr + r_at, r)
+    x, r, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, h, hmask, p_ptr, H, live0, live1, Q: tl.constexpr
+):
+    """`_stats_step` for each query, for source row x of inverse RMS r (saved by the forward). The z and s of every
+    query leave in one store of a [heads, 2 Q] tile (into the p and q halves of the source's slot): per-head values
+    are stored through shared memory, so each store costs two barriers."""
     k = tl.arange(0, 2 * Q)[None, :]
     z, s, delta0 = _stats_step(x, r, u0, go0, lse0, delta0, live0)
     zs = tl.where(k == 0, z[:, None], s[:, None])
@@ -188,7 +188,7 @@ def _coefficients(p_ptr, q_ptr, at, hmask, lse, delta):
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, S0, S1, u_ptr, gout_ptr, glse_ptr, lse_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH, eps,
+    table, S, S0, S1, u_ptr, gout_ptr, glse_ptr, lse_ptr, rms_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
     HAS_GLSE: tl.constexpr, Q: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
@@ -196,16 +196,18 @@ def _backward_stats_kernel(
     p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
     dz = p (s - delta + g), s[n, k, h] = <go_k[h], v_n[h]>, delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
     (exact, without reading a rounded mix) and g[k, h] the upstream gradient of the log-sum-exp (HAS_GLSE;
-    else 0). The loop over sources leaves z, s and r in the p, q and c
-    buffers; once delta is complete, a second loop turns those small values into p, q and c, SC sources at a time.
+    else 0), with r[n] the inverse RMS the forward saved. The loop over sources leaves z and s in the p and q
+    buffers; once delta is complete, a second loop turns them into p, q and c, SC sources at a time.
     """
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
+    rms = rms_ptr + row * S
     x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
     a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
+    rx, ra, rb = tl.load(rms), tl.load(rms + 1 % S), tl.load(rms + 2 % S)
     hmask = h < H
     go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     lse0 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0)
@@ -215,19 +217,18 @@ def _backward_stats_kernel(
         lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     delta0 = tl.zeros([BH], tl.float32)
     delta1 = delta0
-    x = _value(x32, x16, K0)
     delta0, delta1 = _stats_both(
-        x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * 2 * Q * H, h, hmask, row * S, p_ptr, c_ptr,
-        D, H, eps, True, True, Q,
+        _value(x32, x16, K0), rx, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * 2 * Q * H, h, hmask,
+        p_ptr, H, True, True, Q,
     )  # fmt: skip
     for n in range(1, S):
         c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
-        x = _value(a32, a16, KR)
+        rc = tl.load(rms + tl.minimum(n + 2, S - 1))
         delta0, delta1 = _stats_both(
-            x, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * 2 * Q * H, h, hmask, row * S + n,
-            p_ptr, c_ptr, D, H, eps, n < S0, n < S1, Q,
+            _value(a32, a16, KR), ra, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * 2 * Q * H, h,
+            hmask, p_ptr, H, n < S0, n < S1, Q,
         )  # fmt: skip
-        a32, a16, b32, b16 = b32, b16, c32, c16
+        a32, a16, b32, b16, ra, rb = b32, b16, c32, c16, rb, rc
     if HAS_GLSE:
         delta0 -= tl.load(glse_ptr + row * H + h, mask=hmask, other=0.0)
         if Q == 2:
@@ -243,8 +244,8 @@ def _backward_stats_kernel(
         if Q == 2:
             z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, smask, lse1[None, :], delta1[None, :])
             zdz += tl.sum(tl.where(smask, dz1 * z1, 0.0), axis=1)
-        r = tl.load(c_ptr + row * S + ns, mask=nmask, other=0.0)
-        tl.debug_barrier()  # every thread has read z, s and r before any overwrites them
+        r = tl.load(rms + ns, mask=nmask, other=0.0)
+        tl.debug_barrier()  # every thread has read z and s before any overwrites them
         tl.store(p_ptr + at, p0, mask=smask)
         tl.store(q_ptr + at, r[:, None] * dz0, mask=smask)
         if Q == 2:
@@ -421,12 +422,14 @@ def route_forward(
     counts: Sequence[int] = (),
     out: Tensor | None = None,
     lse: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    rms: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Forward route for 1 or 2 folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources;
     query k reads the first counts[k] sources (all when `counts` is empty).
 
-    Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32) and the per-head
-    log-sum-exps [Q, ..., heads] in fp32. `out` / `lse` may be given as destination buffers.
+    Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32), the per-head log-sum-exps
+    [Q, ..., heads] in fp32 and the sources' inverse RMS [rows, S] in fp32 (for `route_backward`). `out`, `lse`
+    and `rms` may be given as destination buffers.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
@@ -436,30 +439,33 @@ def route_forward(
         out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
     if lse is None:
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
+    if rms is None:
+        rms = torch.empty(rows, len(sources), dtype=torch.float32, device=u.device)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["forward"], _interpreted())
     if rows:
         _forward_kernel[(rows,)](
-            table, len(sources), s0, s1, u.contiguous(), out, lse, rows, views[0].shape[1], d, heads, d // heads, eps,
+            table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
+            eps,
             BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries, num_warps=warps,
         )  # fmt: skip
-    return out, lse
+    return out, lse, rms
 
 
 def route_backward(
     grad_out: Tensor,
     grad_lse: Tensor | None,
     lse: Tensor,
+    rms: Tensor,
     sources: Sequence[Tensor],
     u: Tensor,
     heads: int,
-    eps: float,
     counts: Sequence[int] = (),
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
-    and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used): one per source (its dtype,
-    contiguous, summed over the queries) and the partial sums of du = dL/d(query * norm_weight),
-    [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
+    and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
+    `route_forward`): one per source (its dtype, contiguous, summed over the queries) and the partial sums of
+    du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
@@ -483,7 +489,7 @@ def route_backward(
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
     bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["stats"], _interpreted())
     _backward_stats_kernel[(rows,)](
-        table, S, s0, s1, u, grad_out, glse, lse, p, q, c, rows, views[0].shape[1], d, heads, dh, eps,
+        table, S, s0, s1, u, grad_out, glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip

@@ -223,10 +223,11 @@ def test_outputs_fully_overwritten():
     u = query * gain
     out = torch.full((2, 2, 3, d), float("nan"), device=DEVICE)
     lse = torch.full((2, 2, 3, heads), float("nan"), device=DEVICE)
-    triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    rms = torch.full((6, S), float("nan"), device=DEVICE)
+    triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse, rms=rms)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all() and torch.isfinite(rms).all()
     grads = [torch.full_like(v, float("nan")) for v in sources]
-    triton_route.route_backward(grad_out, None, lse, sources, u, heads, 1e-6, grads=grads)
+    triton_route.route_backward(grad_out, None, lse, rms, sources, u, heads, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -310,9 +311,9 @@ def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32], queries=2)
     u = query * gain
     for counts in ([3, 3], [3, 2]):
-        out, lse = op.route(sources, u, 4, 1e-6, counts)
-        torch.library.opcheck(op.route_backward, (grad_out, None, lse, sources, u, 4, 1e-6, counts))
-        torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, sources, u, 4, 1e-6, counts))
+        out, lse, rms = op.route(sources, u, 4, 1e-6, counts)
+        torch.library.opcheck(op.route_backward, (grad_out, None, lse, rms, sources, u, 4, counts))
+        torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, rms, sources, u, 4, counts))
         leaves = [v.detach().requires_grad_() for v in sources]
         torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
 
