@@ -154,35 +154,37 @@ def _forward_kernel(
 
 
 @triton.jit
-def _stats_step(x, r, u, go, lse, delta, live):
-    """One query's logits z and sums s = <go, x> per head for source row x, and delta with p s added."""
+def _stats_step(x, r, u, go, lse, delta, total, live):
+    """One query's logits z and sums s = <go, x> per head for source row x; p s added to delta and p to total."""
     z = tl.where(live, r * tl.sum(x * u, axis=1), MASKED_LOGIT)
     s = tl.sum(go * x, axis=1)
-    return z, s, delta + tl.exp(z - lse) * s
+    p = tl.exp(z - lse)
+    return z, s, delta + p * s, total + p
 
 
 @triton.jit
 def _stats_both(
-    x, r, u0, u1, go0, go1, lse0, lse1, delta0, delta1, at, h, hmask, p_ptr, H, live0, live1, Q: tl.constexpr
-):
+    x, r, u0, u1, go0, go1, lse0, lse1, delta0, delta1, total0, total1, at, h, hmask, p_ptr, H, live0, live1,
+    Q: tl.constexpr,
+):  # fmt: skip
     """`_stats_step` for each query, for source row x of inverse RMS r (saved by the forward). The z and s of every
     query leave in one store of a [heads, 2 Q] tile (into the p and q halves of the source's slot): per-head values
     are stored through shared memory, so each store costs two barriers."""
     k = tl.arange(0, 2 * Q)[None, :]
-    z, s, delta0 = _stats_step(x, r, u0, go0, lse0, delta0, live0)
+    z, s, delta0, total0 = _stats_step(x, r, u0, go0, lse0, delta0, total0, live0)
     zs = tl.where(k == 0, z[:, None], s[:, None])
     if Q == 2:
-        z, s, delta1 = _stats_step(x, r, u1, go1, lse1, delta1, live1)
+        z, s, delta1, total1 = _stats_step(x, r, u1, go1, lse1, delta1, total1, live1)
         zs = tl.where(k == 1, z[:, None], tl.where(k == 3, s[:, None], zs))
     tl.store(p_ptr + at + k * H + h[:, None], zs, mask=hmask[:, None])
-    return delta0, delta1
+    return delta0, delta1, total0, total1
 
 
 @triton.jit
-def _coefficients(p_ptr, q_ptr, at, hmask, lse, delta):
-    """One query's softmax weights p and dz = p (s - delta) from the z and s stored at `at`."""
+def _coefficients(p_ptr, q_ptr, at, hmask, lse, scale, delta):
+    """One query's softmax weights p = exp(z - lse) scale and dz = p (s - delta) from the z and s stored at `at`."""
     z = tl.load(p_ptr + at, mask=hmask, other=0.0)
-    p = tl.exp(z - lse)
+    p = tl.exp(z - lse) * scale
     return z, p, p * (tl.load(q_ptr + at, mask=hmask, other=0.0) - delta)
 
 
@@ -196,8 +198,10 @@ def _backward_stats_kernel(
     p[n, k, h] (softmax weight), q[n, k, h] = r[n] dz[n, k, h] and c[n] = -r[n]^2 / D sum_k,h dz z, where
     dz = p (s - delta + g), s[n, k, h] = <go_k[h], v_n[h]>, delta[k, h] = sum_n p s = <go_k[h], mix_k[h]>
     (exact, without reading a rounded mix) and g[k, h] the upstream gradient of the log-sum-exp (HAS_GLSE;
-    else 0), with r[n] the inverse RMS the forward saved. The loop over sources leaves z and s in the p and q
-    buffers; once delta is complete, a second loop turns them into p, q and c, SC sources at a time.
+    else 0), with r[n] the inverse RMS the forward saved. p = exp(z - lse) is renormalised to sum to 1: a sharp
+    softmax's gradient is otherwise swamped by the rounding of the forward's lse and r. The loop over sources
+    leaves z and s in the p and q buffers; once delta is complete, a second loop turns them into p, q and c,
+    SC sources at a time.
     """
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
@@ -216,19 +220,25 @@ def _backward_stats_kernel(
         go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
         lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     delta0 = tl.zeros([BH], tl.float32)
-    delta1 = delta0
-    delta0, delta1 = _stats_both(
-        _value(x32, x16, K0), rx, u0, u1, go0, go1, lse0, lse1, delta0, delta1, row * S * 2 * Q * H, h, hmask,
-        p_ptr, H, True, True, Q,
+    delta1, total0, total1 = delta0, delta0, delta0
+    delta0, delta1, total0, total1 = _stats_both(
+        _value(x32, x16, K0), rx, u0, u1, go0, go1, lse0, lse1, delta0, delta1, total0, total1,
+        row * S * 2 * Q * H, h, hmask, p_ptr, H, True, True, Q,
     )  # fmt: skip
     for n in range(1, S):
         c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         rc = tl.load(rms + tl.minimum(n + 2, S - 1))
-        delta0, delta1 = _stats_both(
-            _value(a32, a16, KR), ra, u0, u1, go0, go1, lse0, lse1, delta0, delta1, (row * S + n) * 2 * Q * H, h,
-            hmask, p_ptr, H, n < S0, n < S1, Q,
+        delta0, delta1, total0, total1 = _stats_both(
+            _value(a32, a16, KR), ra, u0, u1, go0, go1, lse0, lse1, delta0, delta1, total0, total1,
+            (row * S + n) * 2 * Q * H, h, hmask, p_ptr, H, n < S0, n < S1, Q,
         )  # fmt: skip
         a32, a16, b32, b16, ra, rb = b32, b16, c32, c16, rb, rc
+    scale0 = 1.0 / total0  # p renormalised to sum to 1, whatever the forward's rounding of lse and of r
+    delta0 *= scale0
+    scale1 = scale0
+    if Q == 2:
+        scale1 = 1.0 / total1
+        delta1 *= scale1
     if HAS_GLSE:
         delta0 -= tl.load(glse_ptr + row * H + h, mask=hmask, other=0.0)
         if Q == 2:
@@ -239,10 +249,10 @@ def _backward_stats_kernel(
         nmask = ns < S
         smask = nmask[:, None] & hmask[None, :]
         at = (row * S + ns[:, None]) * 2 * Q * H + h[None, :]
-        z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, smask, lse0[None, :], delta0[None, :])
+        z0, p0, dz0 = _coefficients(p_ptr, q_ptr, at, smask, lse0[None, :], scale0[None, :], delta0[None, :])
         zdz = tl.sum(tl.where(smask, dz0 * z0, 0.0), axis=1)
         if Q == 2:
-            z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, smask, lse1[None, :], delta1[None, :])
+            z1, p1, dz1 = _coefficients(p_ptr, q_ptr, at + H, smask, lse1[None, :], scale1[None, :], delta1[None, :])
             zdz += tl.sum(tl.where(smask, dz1 * z1, 0.0), axis=1)
         r = tl.load(rms + ns, mask=nmask, other=0.0)
         tl.debug_barrier()  # every thread has read z and s before any overwrites them
