@@ -128,6 +128,10 @@ class MharCLI(LightningCLI):
             raise ConfigError(str(error)) from error
 
     def after_instantiate_classes(self) -> None:
+        try:
+            self.model.check_world_size(self.trainer.world_size)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
         check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
 
     @property

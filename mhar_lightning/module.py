@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -46,6 +47,9 @@ class LanguageModel(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
         activation_checkpointing: per transformer block: `none`, `full` or `selective` (see `parallel.py`).
         compile: `torch.compile` each transformer block.
+        compiled_autograd: run each backward as one graph compiled by torch's compiled autograd, which fuses the
+            gradient sums that routed strategies leave between routing calls and drops the autograd engine's
+            per-node host work. Single process only: DDP's reducer and FSDP2's hooks are untested under it.
         init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
@@ -63,6 +67,7 @@ class LanguageModel(L.LightningModule):
         loss_chunk_tokens: int = 4096,
         activation_checkpointing: str = "none",
         compile: bool = False,
+        compiled_autograd: bool = False,
         init_from: str | None = None,
         param_dtype: str = "bfloat16",
         reduce_dtype: str = "float32",
@@ -84,6 +89,7 @@ class LanguageModel(L.LightningModule):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
         self.compile_blocks = compile
+        self.compiled_autograd = compiled_autograd
         self.init_from = init_from
         self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
@@ -175,6 +181,21 @@ class LanguageModel(L.LightningModule):
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", math.exp(min(float(loss), 50.0)))
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse settings that do not run across `world_size` processes."""
+        if self.compiled_autograd and world_size > 1:
+            raise ValueError(
+                f"compiled_autograd=true runs in one process only, not across {world_size} ranks;"
+                " set model.compiled_autograd=false for multi-process training"
+            )
+
+    def setup(self, stage: str) -> None:
+        self.check_world_size(self.trainer.world_size)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        with maybe_enable_compiled_autograd(self.compiled_autograd, fullgraph=False, dynamic=False):
+            super().backward(loss, *args, **kwargs)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_clip > 0:

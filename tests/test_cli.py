@@ -139,3 +139,11 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monke
     monkeypatch.undo()
     assert checkpoint_step(tmp_path) == 2
     assert not [name for name in os.listdir(tmp_path / "checkpoints") if name.endswith(".tmp")]
+
+
+def test_compiled_autograd_across_ranks_is_one_line(tmp_path: Path, capsys) -> None:
+    args = ["fit", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--model.compiled_autograd"]
+    code, _, err = run([*args, "true", "--trainer.devices", "2", "--trainer.strategy", "ddp"], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("mhar: error: compiled_autograd=true runs in one process only")
+    assert not (tmp_path / "checkpoints").exists()
