@@ -47,9 +47,9 @@ class LanguageModel(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
         activation_checkpointing: per transformer block: `none`, `full` or `selective` (see `parallel.py`).
         compile: `torch.compile` each transformer block.
-        compiled_autograd: run each backward as one graph compiled by torch's compiled autograd, which fuses the
-            gradient sums that routed strategies leave between routing calls and drops the autograd engine's
-            per-node host work. Single process only: DDP's reducer and FSDP2's hooks are untested under it.
+        compiled_autograd: run each backward through torch's compiled autograd: compiled graphs, with the gradient
+            sums that routed strategies leave between routing calls, instead of the autograd engine's per-node host
+            work. Single process only: DDP's reducer and FSDP2's hooks are untested under it.
         init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
