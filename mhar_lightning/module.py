@@ -49,7 +49,7 @@ class LanguageModel(L.LightningModule):
         compile: `torch.compile` each transformer block.
         compiled_autograd: run each backward through torch's compiled autograd: compiled graphs, with the gradient
             sums that routed strategies leave between routing calls, instead of the autograd engine's per-node host
-            work. Single process only: DDP's reducer and FSDP2's hooks are untested under it.
+            work. Single process only: under FSDP2 it left the root group's gradients unreduced (CPU, NOTES v11).
         init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
