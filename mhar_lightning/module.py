@@ -183,7 +183,7 @@ class LanguageModel(L.LightningModule):
             self.log("val/ppl", math.exp(min(float(loss), 50.0)))
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse settings that do not run across `world_size` processes."""
+        """Refuse training settings that do not run across `world_size` processes."""
         if self.compiled_autograd and world_size > 1:
             raise ValueError(
                 f"compiled_autograd=true runs in one process only, not across {world_size} ranks;"
@@ -191,7 +191,8 @@ class LanguageModel(L.LightningModule):
             )
 
     def setup(self, stage: str) -> None:
-        self.check_world_size(self.trainer.world_size)
+        if stage == "fit":
+            self.check_world_size(self.trainer.world_size)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         with maybe_enable_compiled_autograd(self.compiled_autograd, fullgraph=False, dynamic=False):

@@ -107,8 +107,9 @@ class GradientRecorder(L.Callback):
 
 def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
     """A training step with its backward captured by compiled autograd gives eager autograd's gradients (the
-    embedding's summed over the routing calls that read it). One layer, the fused routing op (interpreted; the reference op is
-    many nodes to trace), and the captured graphs run as traced, not through Inductor: capture is slow on a CPU."""
+    embedding's summed over the routing calls that read it). One layer, the fused routing op (interpreted; the
+    reference op is many nodes to trace), and the captured graphs run as traced, not through Inductor: capture is
+    slow on a CPU."""
     monkeypatch.setattr(torch._inductor, "compile", lambda graph, inputs: graph)
     monkeypatch.setenv(ENV_BACKEND, "triton")
     grads = []
