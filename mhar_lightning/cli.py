@@ -130,7 +130,7 @@ class MharCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         try:
             if self.subcommand == "fit":
-                self.model.check_world_size(self.trainer.world_size)
+                self.model.check_strategy(self.trainer)
         except ValueError as error:
             raise ConfigError(str(error)) from error
         check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)

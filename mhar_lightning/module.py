@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.checkpoint.state_dict import (
@@ -49,7 +50,8 @@ class LanguageModel(L.LightningModule):
         compile: `torch.compile` each transformer block.
         compiled_autograd: run each backward through torch's compiled autograd: compiled graphs, with the gradient
             sums that routed strategies leave between routing calls, instead of the autograd engine's per-node host
-            work. Single process only: under FSDP2 it left the root group's gradients unreduced (CPU, NOTES v11).
+            work. One process or DDP (whose gradient all-reduce then runs inside the captured graphs); refused
+            under FSDP2, where it left the root group's gradients unreduced (CPU, torch 2.13).
         init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
@@ -182,17 +184,22 @@ class LanguageModel(L.LightningModule):
         if loss is not None:
             self.log("val/ppl", math.exp(min(float(loss), 50.0)))
 
-    def check_world_size(self, world_size: int) -> None:
-        """Refuse training settings that do not run across `world_size` processes."""
-        if self.compiled_autograd and world_size > 1:
+    def check_strategy(self, trainer: L.Trainer) -> None:
+        """Refuse training settings that `trainer`'s strategy cannot run."""
+        strategy = trainer.strategy
+        if self.compiled_autograd and trainer.world_size > 1 and not isinstance(strategy, DDPStrategy):
             raise ValueError(
-                f"compiled_autograd=true runs in one process only, not across {world_size} ranks;"
-                " set model.compiled_autograd=false for multi-process training"
+                f"compiled_autograd=true runs in one process or under DDP, not under {type(strategy).__name__}"
+                f" across {trainer.world_size} ranks; set model.compiled_autograd=false or trainer.strategy=ddp"
             )
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
-            self.check_world_size(self.trainer.world_size)
+            self.check_strategy(self.trainer)
+            if self.compiled_autograd and self.trainer.world_size > 1:
+                # Before DDP wraps the model: its C++ reducer refuses compiled autograd, the Python one hooks every
+                # parameter's gradient, so that the all-reduce is captured with the backward.
+                torch._dynamo.config.optimize_ddp = "python_reducer"
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         with maybe_enable_compiled_autograd(self.compiled_autograd, fullgraph=False, dynamic=False):

@@ -75,19 +75,29 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--probe-every", type=int, default=0, help="depth-attention probe every N steps (0: off)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--compiled-autograd",
+        action="store_true",
+        help="capture each backward with compiled autograd; its graphs run as traced (Inductor is slow on a CPU)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compiled_autograd:
+        torch._inductor.compile = lambda graph, inputs: graph
 
     L.seed_everything(0)
     module = LanguageModel(
         preset="tiny",
         residual=json.loads(args.residual),
         seq_len=32,
-        model_overrides={"tie_embeddings": not args.untied},
+        model_overrides={"tie_embeddings": not args.untied, "n_layers": args.layers},
         optimizer={"lr": 3e-3, "warmup_steps": 2},
         init_from=args.init,
         activation_checkpointing=args.activation_checkpointing,
         param_dtype="float32",
+        compiled_autograd=args.compiled_autograd,
     )
     data = TokenDataModule(
         args.data,
@@ -116,6 +126,7 @@ def main() -> None:
         default_root_dir=args.out,
         strategy=strategy,
         max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
         use_distributed_sampler=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,

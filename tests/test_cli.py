@@ -141,9 +141,13 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monke
     assert not [name for name in os.listdir(tmp_path / "checkpoints") if name.endswith(".tmp")]
 
 
-def test_compiled_autograd_across_ranks_is_one_line(tmp_path: Path, capsys) -> None:
+def test_compiled_autograd_under_fsdp2_is_one_line(tmp_path: Path, capsys) -> None:
     args = ["fit", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--model.compiled_autograd"]
-    code, _, err = run([*args, "true", "--trainer.devices", "2", "--trainer.strategy", "ddp"], capsys)
+    fsdp2 = ["--trainer.strategy", '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}']
+    code, _, err = run([*args, "true", *fsdp2, "--trainer.devices", "2", "--trainer.accelerator", "cpu"], capsys)
     assert code == 2
-    assert err.strip().splitlines()[-1].startswith("mhar: error: compiled_autograd=true runs in one process only")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        "mhar: error: compiled_autograd=true runs in one process or under DDP, not under ModelParallel"
+    )
     assert not (tmp_path / "checkpoints").exists()

@@ -125,3 +125,18 @@ def test_sharded_random_init_draws_independent_shards(workdir: Path) -> None:
         half = weight.shape[0] // 2
         assert weight.std().item() == pytest.approx(0.02, rel=0.1), name
         assert (weight[:half] - weight[half : 2 * half]).std().item() == pytest.approx(0.02 * 2**0.5, rel=0.1), name
+
+
+def test_compiled_autograd_under_ddp_matches_eager(workdir: Path) -> None:
+    """Two DDP ranks with each backward captured by compiled autograd train to eager DDP's weights: the all-reduce
+    runs inside the captured graphs, also under gradient accumulation (where DDP skips it on all but the last
+    micro-batch). The strategy is `sum`: routing under compiled autograd has its own test (test_module.py)."""
+    common = ["--residual", '"sum"', "--layers", "1", "--devices", "2", "--batch", "2", "--accumulate", "2"]
+    common += ["--steps", "2"]
+    eager = _run(workdir, "ddp-eager", *common)
+    compiled = _run(workdir, "ddp-compiled-autograd", *common, "--compiled-autograd")
+    for rank in range(2):
+        assert losses(compiled, rank) == pytest.approx(losses(eager, rank), abs=1e-6, rel=0)
+    want, got = (torch.load(out / "gathered.pt", weights_only=True) for out in (eager, compiled))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
