@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._dynamo.utils import maybe_enable_compiled_autograd
 
 from mhar_lightning.loss import chunked_cross_entropy
 
@@ -49,3 +50,33 @@ def test_loss_is_fp32_for_bf16_inputs() -> None:
     loss = chunked_cross_entropy(hidden, weight, targets, chunk_tokens=3)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, F.cross_entropy((hidden @ weight.T).float().flatten(0, 1), targets.flatten()))
+
+
+def test_autocast_grads_match_full_cross_entropy() -> None:
+    """Under bf16 autocast (fp32 inputs, as Lightning's bf16-mixed runs it) the backward's matmuls run in bf16 like
+    the forward's, and the gradients come back in the inputs' dtype."""
+    hidden, weight, targets = inputs(ignore=True)
+
+    def full(h: Tensor, w: Tensor) -> Tensor:
+        return F.cross_entropy((h @ w.T).float().flatten(0, 1), targets.flatten())
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = loss_and_grads(full, hidden, weight)
+        got = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, targets, chunk_tokens=4), hidden, weight)
+    for a, b in zip(want, got):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
+
+
+def test_compiled_autograd_captures_the_backward_whole() -> None:
+    """Several chunks, one captured backward graph: nothing in the loss's backward breaks compiled autograd's
+    capture (activation checkpoint's saved-tensor hooks split it into several)."""
+    hidden, weight, targets = inputs(ignore=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with maybe_enable_compiled_autograd(True, fullgraph=False, dynamic=False):
+        got = loss_and_grads(lambda h, w: chunked_cross_entropy(h, w, targets, chunk_tokens=8), hidden, weight)
+    assert dict(torch._dynamo.utils.counters["compiled_autograd"]) == {"captures": 1, "compiles": 1}
+    want = loss_and_grads(lambda h, w: F.cross_entropy((h @ w.T).flatten(0, 1), targets.flatten()), hidden, weight)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a)
