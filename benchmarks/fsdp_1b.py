@@ -1,12 +1,12 @@
-"""The 1b FSDP2 recipe's model on one GPU (FSDP world size 1): tokens/s, MFU, peak memory and an exact-resume check.
+"""The 1b FSDP2 recipe's model on 1 or more GPUs (`--devices`): tokens/s, MFU, peak memory and an exact-resume check.
 
     python benchmarks/fsdp_1b.py --out DIR --phase full     # steps 1..S, a sharded checkpoint at --ckpt-at
-    python benchmarks/fsdp_1b.py --out DIR --phase resume   # a fresh process resumes it (ckpt_path=last) to S
+    python benchmarks/fsdp_1b.py --out DIR --phase resume   # a fresh process resumes that checkpoint to S
 
 The model, residual (MHAR, H = 8, 8 blocks), optimizer and strategy are those of recipes/fsdp/pretrain-1b.yaml;
 the data are synthetic token sequences (arithmetic progressions modulo the vocabulary, so the loss falls) served
 by a `StatefulDataLoader`, because no tokenized corpus exists on the benchmark machine. Each phase appends one
-JSON line per step (loss, seconds) to OUT/<phase>.jsonl and a summary to OUT/<phase>-summary.json.
+JSON line per step (rank 0's loss, seconds) to OUT/<phase>.jsonl and rank 0 a summary to OUT/<phase>-summary.json.
 """
 
 import argparse
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from mhar_lightning.callbacks import FinalStepCheckpoint
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -73,6 +73,8 @@ class Meter(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         _sync()
         self.end = time.perf_counter()
+        if not trainer.is_global_zero:
+            return
         record = {
             "step": trainer.global_step,
             "loss": outputs["loss"].item(),
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--preset", default="1b", help="tiny for a CPU smoke run")
     parser.add_argument("--accelerator", default="gpu")
+    parser.add_argument("--devices", type=int, default=1, help="FSDP2 data-parallel ranks, one process each")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{args.phase}.jsonl"
@@ -110,13 +113,13 @@ def main() -> None:
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
     )
-    checkpoint = ModelCheckpoint(
+    checkpoint = FinalStepCheckpoint(
         dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_at, save_top_k=-1, save_last="link"
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,
-        devices=1,
-        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        devices=args.devices,
+        strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
         precision="32-true",
         max_steps=args.steps,
         use_distributed_sampler=False,
@@ -131,27 +134,33 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    trainer.fit(module, datamodule=data, ckpt_path="last" if args.phase == "resume" else None)
+    resume_from = args.out / "ckpt" / f"epoch=0-step={args.ckpt_at}.ckpt"  # `last` is the full run's final step
+    trainer.fit(module, datamodule=data, ckpt_path=resume_from if args.phase == "resume" else None)
     wall = time.perf_counter() - started
+    if not trainer.is_global_zero:
+        return
 
     records = [json.loads(line) for line in log.read_text().splitlines()]
     steady = [r["seconds"] for r in records[10:]] or [r["seconds"] for r in records]
     step_s = statistics.median(steady)
-    tokens = args.batch * args.seq_len
+    tokens = args.batch * args.seq_len * args.devices
     config = module.model_config
     routing = routing_parameter_count(config, module.residual)
-    plan = memory_plan(config, 1, args.batch, args.seq_len, args.activation_checkpointing, routing, stream_tensors=2)
+    plan = memory_plan(
+        config, args.devices, args.batch, args.seq_len, args.activation_checkpointing, routing, stream_tensors=2
+    )
     summary = {
         "phase": args.phase,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
+        "devices": args.devices,
         "compile": args.compile,
         "activation_checkpointing": args.activation_checkpointing,
         "steps_run": len(records),
         "first_step": records[0]["step"],
         "median_step_s": step_s,
         "tokens_per_s": tokens / step_s,
-        "mfu": config.flops_per_token(args.seq_len) * tokens / step_s / H200_BF16_PEAK,
+        "mfu": config.flops_per_token(args.seq_len) * tokens / step_s / (H200_BF16_PEAK * args.devices),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
         "planned_gib": plan.total / 2**30,

@@ -1,8 +1,15 @@
-"""Lightning callbacks for studying depth routing and training speed."""
+"""Lightning callbacks for studying depth routing and training speed, and for checkpointing runs."""
 
+from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
 from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
 from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["DepthAttentionLogger", "HeadDisagreementProbe", "PeakMemoryMonitor", "TokenThroughputMonitor"]
+__all__ = [
+    "DepthAttentionLogger",
+    "FinalStepCheckpoint",
+    "HeadDisagreementProbe",
+    "PeakMemoryMonitor",
+    "TokenThroughputMonitor",
+]

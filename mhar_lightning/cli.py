@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from mhar_lightning.callbacks import FinalStepCheckpoint
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
@@ -104,7 +104,7 @@ class MharCLI(LightningCLI):
             parser._subcommands_action.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(FinalStepCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=padded_vocab, apply_on="instantiate")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from mhar_lightning.callbacks import DepthAttentionLogger
+from mhar_lightning.callbacks import DepthAttentionLogger, FinalStepCheckpoint
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -113,7 +112,7 @@ def main() -> None:
         callbacks.append(DepthAttentionLogger(every_n_steps=args.probe_every))
     if args.ckpt_every:
         callbacks.append(
-            ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link")
+            FinalStepCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.ckpt_every, save_last="link")
         )
     strategy = (
         ModelParallelStrategy(data_parallel_size=args.replicas, tensor_parallel_size=args.devices // args.replicas)

@@ -31,10 +31,10 @@ def checkpoint_step(root: Path) -> int:
 
 
 def test_fit_writes_checkpoint_tensorboard_events_and_config(tmp_path: Path) -> None:
-    cli = MharCLI(args=fast_demo_args(tmp_path, max_steps=3))
+    cli = MharCLI(args=[*fast_demo_args(tmp_path, max_steps=3), "--checkpoint.every_n_train_steps", "2"])
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert isinstance(cli.trainer.logger, TensorBoardLogger)
-    assert checkpoint_step(tmp_path) == 3
+    assert checkpoint_step(tmp_path) == 3  # saved at step 2 and at the final step 3, which is not a multiple of 2
     assert sorted(scalars(tmp_path, "train/loss")) == [0, 1, 2]
     assert list((tmp_path / "tensorboard" / "version_0").glob("events.out.tfevents.*"))
     saved = yaml.safe_load((tmp_path / "tensorboard" / "version_0" / "config.yaml").read_text())

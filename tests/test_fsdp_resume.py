@@ -26,6 +26,8 @@ def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
 
     resumed = run_ranks(*args(run, 2, "--ckpt-every", str(CKPT_EVERY), "--resume", "last"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run / "ckpt" / "last.ckpt").resolve().name == f"epoch=0-step={STEPS}.ckpt"  # the final step, not step 6
+    assert not list((run / "ckpt").glob("last-v*"))
     for rank in (0, 1):
         records = [json.loads(line) for line in (run / f"losses-rank{rank}.jsonl").read_text().splitlines()]
         after = {r["step"]: r["loss"] for r in records[KILL_AT:]}

@@ -6,7 +6,8 @@ import pytest
 import torch
 import yaml
 from cli_helpers import REPO
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
+from mhar_lightning.callbacks import FinalStepCheckpoint
 
 from mhar_lightning.cli import MharCLI, recipe_chain
 from mhar_lightning.residual import MHAR, AttnRes, Residual, SumResidual
@@ -76,7 +77,7 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     assert {"DepthAttentionLogger", "HeadDisagreementProbe", "PeakMemoryMonitor"} <= callbacks.keys()
     assert any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks)
     assert any(isinstance(c, LearningRateMonitor) for c in trainer.callbacks)
-    assert isinstance(trainer.checkpoint_callback, ModelCheckpoint) and trainer.checkpoint_callback.save_last in (
+    assert isinstance(trainer.checkpoint_callback, FinalStepCheckpoint) and trainer.checkpoint_callback.save_last in (
         True,
         "link",
     )

@@ -1,0 +1,35 @@
+"""Lightning's `ModelCheckpoint` without its two ways of leaving the newest training state unnamed."""
+
+import os
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class FinalStepCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` (same arguments) that also saves the step a run stops at and keeps `last.ckpt` current.
+
+    Lightning 2.6 leaves two gaps that cost users training: a run whose `max_steps` is not a multiple of
+    `every_n_train_steps` ends without saving its last steps, and a run resumed from its first checkpoint writes
+    `last-v1.ckpt` beside a `last.ckpt` that still names the checkpoint it resumed from. Here a run without a
+    monitored metric saves its `max_steps` step (a top-k checkpoint and `last`), and a resumed run takes over the
+    `last.ckpt` of the directory it resumed from. A fresh run never overwrites an earlier run's `last.ckpt`.
+    """
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        if not (self.save_last and trainer.ckpt_path and self.dirpath) or self.last_model_path:
+            return
+        last = self.format_checkpoint_name(self._monitor_candidates(trainer), self.CHECKPOINT_NAME_LAST)
+        resumed_here = os.path.dirname(os.path.abspath(trainer.ckpt_path)) == os.path.abspath(self.dirpath)
+        if resumed_here and self._fs.lexists(last):
+            self.last_model_path = last
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args, **kwargs) -> None:
+        super().on_train_batch_end(trainer, *args, **kwargs)
+        final = 0 < trainer.max_steps <= trainer.global_step
+        if final and self.monitor is None and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)  # saved inside the step, so a resume continues the epoch
+            if self.save_top_k != 0:
+                self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
