@@ -61,16 +61,19 @@ def allow_recompiles() -> None:
 
 
 def profile(step, label: str) -> float:
-    """Print the GPU time of one step per kernel (top 25), to see where a strategy spends its overhead.
+    """Print the GPU time of one step per kernel and its host time per op (top 25 each), to see where a strategy
+    spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
 
     Returns the summed kernel time in seconds: well below the timed step means the GPU waited on the host.
     """
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    table = averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
-    print(f"--- profile: {label}\n{table}", flush=True)
+    for sort_by in ("self_device_time_total", "self_cpu_time_total"):
+        table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
+        print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
     return sum(e.self_device_time_total for e in averages) * 1e-6
 
 
