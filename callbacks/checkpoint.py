@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class FinalStepCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` (same arguments) that also saves the step a run stops at and keeps `last.ckpt` current.
+    """`ModelCheckpoint` (same arguments) that also saves a run's `max_steps` step and keeps `last.ckpt` current.
 
     Lightning 2.6 leaves two gaps that cost users training: a run whose `max_steps` is not a multiple of
     `every_n_train_steps` ends without saving its last steps, and a run resumed from its first checkpoint writes

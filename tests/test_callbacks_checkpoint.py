@@ -1,4 +1,4 @@
-"""FinalStepCheckpoint: the step a run stops at is saved, and `last.ckpt` follows a resumed run."""
+"""FinalStepCheckpoint: a run's `max_steps` step is saved, and `last.ckpt` follows a resumed run."""
 
 import os
 from pathlib import Path
