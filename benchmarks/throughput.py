@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import triton
-from torch._dynamo.utils import maybe_enable_compiled_autograd
+from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
 from mhar_lightning.config import ModelConfig
@@ -114,6 +114,7 @@ def run(
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    graphs = counters["stats"]["unique_graphs"]
     times, host = [], []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,6 +138,8 @@ def run(
         "peak_gib": peak / 2**30,
         "compile_s": compile_s,
         "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
+        "host_s_steps": host,
+        "graphs_compiled_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,  # 0 unless recompiling
     }
     if kernel_s is not None:
         row["gpu_busy"] = kernel_s / row["step_s"]  # of a timed step, the fraction the kernels account for
