@@ -20,6 +20,7 @@ between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v
 """
 
 import argparse
+import ast
 import gc
 import itertools
 import json
@@ -171,6 +172,23 @@ def print_summary(rows: list[dict]) -> None:
         )
 
 
+def inductor_option(item: str, parser: argparse.ArgumentParser) -> tuple[str, object]:
+    """`KEY=VALUE` as a torch._inductor.config entry (VALUE a Python literal, else a string); unknown keys refused."""
+    key, sep, text = item.partition("=")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    try:
+        with torch._inductor.config.patch({key: value}):
+            pass
+    except AttributeError as error:
+        parser.error(f"--inductor {item}: {error}")
+    if not sep:
+        parser.error(f"--inductor {item}: use KEY=VALUE, e.g. combo_kernels=True")
+    return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="100m,350m,1b")
@@ -186,7 +204,15 @@ def main() -> None:
         action="store_true",
         help="capture each backward whole (torch's compiled autograd), for every variant of the run",
     )
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a torch._inductor.config option for every variant (repeatable), e.g. combo_kernels=True",
+    )
     args = parser.parse_args()
+    inductor = dict(inductor_option(item, parser) for item in args.inductor)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: use 1 or more")
     precisions = args.precisions.split(",")
@@ -201,14 +227,15 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     print(
         f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-        f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}",
+        f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
         flush=True,
     )
+    torch._inductor.config.patch(inductor).__enter__()  # for the whole process
     rows = []
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
         row = run(preset, variant, precision, args.steps, args.warmup, args.profile, args.compiled_autograd)
-        row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd}
+        row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd, "inductor": inductor}
         gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
         torch.cuda.empty_cache()
         torch._dynamo.reset()
