@@ -7,12 +7,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class FinalStepCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` (same arguments) that also saves a run's `max_steps` step and keeps `last.ckpt` current.
+    """`ModelCheckpoint` (same arguments) that also saves the step a run ends at and keeps `last.ckpt` current.
 
-    Lightning 2.6 leaves two gaps that cost users training: a run whose `max_steps` is not a multiple of
-    `every_n_train_steps` ends without saving its last steps, and a run resumed from its first checkpoint writes
-    `last-v1.ckpt` beside a `last.ckpt` that still names the checkpoint it resumed from. Here a run without a
-    monitored metric saves its `max_steps` step (a top-k checkpoint and `last`), and a resumed run takes over the
+    Lightning 2.6 leaves two gaps that cost users training: a run that ends between `every_n_train_steps` saves
+    (at `max_steps` or `max_epochs`) does not save its last steps, and a run resumed from its first checkpoint
+    writes `last-v1.ckpt` beside a `last.ckpt` that still names the checkpoint it resumed from. Here a run without
+    a monitored metric saves the step it ends at (a top-k checkpoint and `last`), and a resumed run takes over the
     `last.ckpt` of the directory it resumed from. A fresh run never overwrites an earlier run's `last.ckpt`.
     """
 
@@ -27,9 +27,18 @@ class FinalStepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args, **kwargs) -> None:
         super().on_train_batch_end(trainer, *args, **kwargs)
-        final = 0 < trainer.max_steps <= trainer.global_step
-        if final and self.monitor is None and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)  # saved inside the step, so a resume continues the epoch
+        if 0 < trainer.max_steps <= trainer.global_step:
+            self._save_final(trainer)  # inside the step, so a resume continues the epoch
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if 0 < trainer.max_epochs <= trainer.current_epoch + 1:
+            self._save_final(trainer)
+
+    def _save_final(self, trainer: "pl.Trainer") -> None:
+        """Save a top-k checkpoint and `last` for the step training stops at, unless this step is saved already."""
+        if self.monitor is None and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
             if self.save_top_k != 0:
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)

@@ -18,14 +18,23 @@ class Model(BoringModel):
         return StatefulDataLoader(RandomDataset(32, 64), batch_size=2)
 
 
-def fit(root: Path, max_steps: int, save_last: bool | str = "link", resume: str | None = None, **kwargs) -> Model:
+def fit(
+    root: Path,
+    max_steps: int,
+    save_last: bool | str = "link",
+    resume: str | None = None,
+    max_epochs: int | None = None,
+    **kwargs,
+) -> Model:
     L.seed_everything(0)
     model = Model()
+    every = kwargs.pop("every_n_train_steps", 4)
     checkpoint = FinalStepCheckpoint(
-        dirpath=root, every_n_train_steps=4, save_last=save_last, save_top_k=kwargs.pop("save_top_k", -1), **kwargs
+        dirpath=root, every_n_train_steps=every, save_last=save_last, save_top_k=kwargs.pop("save_top_k", -1), **kwargs
     )
     trainer = L.Trainer(
         max_steps=max_steps,
+        max_epochs=max_epochs,
         limit_val_batches=0,
         callbacks=[checkpoint],
         logger=False,
@@ -47,6 +56,15 @@ def test_the_last_steps_are_saved_when_max_steps_falls_between_saves(tmp_path: P
     assert last["global_step"] == 6
     assert all(torch.equal(last["state_dict"][k], v) for k, v in model.state_dict().items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+
+
+def test_the_last_steps_are_saved_when_max_epochs_ends_between_saves(tmp_path: Path) -> None:
+    model = fit(tmp_path, max_steps=-1, max_epochs=1)  # 32 steps an epoch; saves at 4, 8, .., 32 anyway
+    assert saved(tmp_path / "last.ckpt")["global_step"] == 32
+    fit(tmp_path / "odd", max_steps=-1, max_epochs=1, every_n_train_steps=5)  # saves at 5, .., 30; ends at 32
+    last = saved(tmp_path / "odd" / "last.ckpt")
+    assert last["global_step"] == 32 and last["epoch"] == 0
+    assert all(torch.equal(last["state_dict"][k], v) for k, v in model.state_dict().items())
 
 
 def test_a_resumed_run_keeps_last_current(tmp_path: Path) -> None:
