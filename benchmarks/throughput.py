@@ -173,20 +173,14 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def inductor_option(item: str, parser: argparse.ArgumentParser) -> tuple[str, object]:
-    """`KEY=VALUE` as a torch._inductor.config entry (VALUE a Python literal, else a string); unknown keys refused."""
+    """`KEY=VALUE` as a torch._inductor.config entry (VALUE a Python literal, else a string)."""
     key, sep, text = item.partition("=")
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = text
-    try:
-        with torch._inductor.config.patch({key: value}):
-            pass
-    except AttributeError as error:
-        parser.error(f"--inductor {item}: {error}")
     if not sep:
         parser.error(f"--inductor {item}: use KEY=VALUE, e.g. combo_kernels=True")
-    return key, value
+    try:
+        return key, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return key, text
 
 
 def main() -> None:
@@ -213,6 +207,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     inductor = dict(inductor_option(item, parser) for item in args.inductor)
+    try:
+        torch._inductor.config.patch(inductor).__enter__()  # for the whole process
+    except AttributeError as error:  # an unknown key, named in the message
+        parser.error(f"--inductor: {error}")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: use 1 or more")
     precisions = args.precisions.split(",")
@@ -230,7 +228,6 @@ def main() -> None:
         f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
         flush=True,
     )
-    torch._inductor.config.patch(inductor).__enter__()  # for the whole process
     rows = []
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
