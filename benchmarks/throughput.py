@@ -1,18 +1,21 @@
 """Training-step throughput and peak memory of each residual strategy, as a ratio to `sum` in the same run.
 
 Every step is forward, backward and a fused AdamW step on one fixed batch in bf16, with each transformer
-block compiled on its own (`block.compile()`). Two precision protocols: `autocast` (fp32 weights under bf16
-autocast, as `precision: bf16-mixed` trains; the residual stream stays fp32) and `fsdp-bf16` (FSDP2 on one
-GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and 8b recipes train; FSDP2's hooks add
-host time). Tokens/s is the median over the timed steps; peak memory is `torch.cuda.max_memory_allocated`
-over them; host ms is the median time Python takes to issue a step (close to the step time means the GPU
-waits on the host).
+block compiled on its own with the kit's Inductor options (`compile_blocks`). Two precision protocols:
+`autocast` (fp32 weights under bf16 autocast, as `precision: bf16-mixed` trains; the residual stream stays
+fp32) and `fsdp-bf16` (FSDP2 on one GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and
+8b recipes train; FSDP2's hooks add host time). Tokens/s is the median over the timed steps; peak memory is
+`torch.cuda.max_memory_allocated` over them; host ms is the median time Python takes to issue a step (close
+to the step time means the GPU waits on the host).
 
     python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
 
 `--compiled-autograd` captures each step's backward as one compiled graph (torch's compiled autograd), so the
 gradient sums of sources read by several routing calls can fuse and the autograd engine's per-node host work
 goes; it applies to every variant of the run, `sum` included.
+
+`--inductor KEY=VALUE` overrides one of those options (`parallel.INDUCTOR_OPTIONS`) or adds another, for the
+blocks and the compiled-autograd graphs of every variant; `--inductor combo_kernels=False` is the Inductor default.
 
 `--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
 each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
@@ -32,12 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import triton
-from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
-from mhar_lightning.parallel import apply_fsdp
+from mhar_lightning.parallel import INDUCTOR_OPTIONS, apply_fsdp, compile_blocks, compiled_backward, inductor_options
 from mhar_lightning.residual import make_residual
 
 SEQ_LEN = 2048
@@ -86,12 +89,12 @@ def run(
     warmup: int,
     with_profile: bool = False,
     compiled_autograd: bool = False,
+    options: dict | None = None,
 ) -> dict:
     cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
     name, kwargs = VARIANTS[variant]
     model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
-    for block in model.blocks:
-        block.compile()
+    compile_blocks(model, options)
     if precision == "fsdp-bf16":
         apply_fsdp(model, init_device_mesh("cuda", (1,)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -102,7 +105,7 @@ def run(
     def step() -> None:
         with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        with maybe_enable_compiled_autograd(compiled_autograd, fullgraph=False, dynamic=False):
+        with compiled_backward(compiled_autograd, options):
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -203,13 +206,12 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="set a torch._inductor.config option for every variant (repeatable), e.g. combo_kernels=True",
+        help="override or add an Inductor option for every variant (repeatable), e.g. combo_kernels=False",
     )
     args = parser.parse_args()
-    inductor = dict(inductor_option(item, parser) for item in args.inductor)
     try:
-        torch._inductor.config.patch(inductor).__enter__()  # for the whole process
-    except AttributeError as error:  # an unknown key, named in the message
+        inductor = inductor_options(INDUCTOR_OPTIONS | dict(inductor_option(item, parser) for item in args.inductor))
+    except ValueError as error:
         parser.error(f"--inductor: {error}")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: use 1 or more")
@@ -231,7 +233,7 @@ def main() -> None:
     rows = []
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
-        row = run(preset, variant, precision, args.steps, args.warmup, args.profile, args.compiled_autograd)
+        row = run(preset, variant, precision, args.steps, args.warmup, args.profile, args.compiled_autograd, inductor)
         row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd, "inductor": inductor}
         gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
         torch.cuda.empty_cache()

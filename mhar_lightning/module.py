@@ -8,7 +8,6 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
-from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -25,8 +24,10 @@ from mhar_lightning.parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     compile_blocks,
+    compiled_backward,
     fsdp_mesh,
     full_tensor,
+    inductor_options,
     materialize,
 )
 from mhar_lightning.residual import Residual, make_residual
@@ -48,6 +49,8 @@ class LanguageModel(L.LightningModule):
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
         activation_checkpointing: per transformer block: `none`, `full` or `selective` (see `parallel.py`).
         compile: `torch.compile` each transformer block.
+        compile_options: Inductor options for the compiled blocks and compiled-autograd graphs (default: the kit's,
+            `parallel.INDUCTOR_OPTIONS`, which turns on combo kernels; `{}` for Inductor's own defaults).
         compiled_autograd: run each backward through torch's compiled autograd: compiled graphs, with the gradient
             sums that routed strategies leave between routing calls, instead of the autograd engine's per-node host
             work. One process or DDP (whose gradient all-reduce then runs inside the captured graphs); refused
@@ -69,6 +72,7 @@ class LanguageModel(L.LightningModule):
         loss_chunk_tokens: int = 4096,
         activation_checkpointing: str = "none",
         compile: bool = False,
+        compile_options: dict[str, Any] | None = None,
         compiled_autograd: bool = False,
         init_from: str | None = None,
         param_dtype: str = "bfloat16",
@@ -91,6 +95,7 @@ class LanguageModel(L.LightningModule):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
         self.compile_blocks = compile
+        self.compile_options = inductor_options(compile_options)
         self.compiled_autograd = compiled_autograd
         self.init_from = init_from
         self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
@@ -118,7 +123,7 @@ class LanguageModel(L.LightningModule):
                 decoder = Decoder(self.model_config, self.residual)
         apply_activation_checkpointing(decoder, self.activation_checkpointing)
         if self.compile_blocks:
-            compile_blocks(decoder)
+            compile_blocks(decoder, self.compile_options)
         load = self.init_from is not None and self._trainer is not None
         if mesh is None:
             if load:
@@ -202,7 +207,7 @@ class LanguageModel(L.LightningModule):
                 torch._dynamo.config.optimize_ddp = "python_reducer"
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        with maybe_enable_compiled_autograd(self.compiled_autograd, fullgraph=False, dynamic=False):
+        with compiled_backward(self.compiled_autograd, self.compile_options):
             super().backward(loss, *args, **kwargs)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -105,12 +105,23 @@ class GradientRecorder(L.Callback):
         self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
 
 
+def test_compile_options_typo_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"unknown Inductor option\(s\) \['combo_kernel'\]"):
+        LanguageModel(compile=True, compile_options={"combo_kernel": True})
+
+
 def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
     """A training step with its backward captured by compiled autograd gives eager autograd's gradients (the
     embedding's summed over the routing calls that read it). One layer, the fused routing op (interpreted; the
     reference op is many nodes to trace), and the captured graphs run as traced, not through Inductor: capture is
     slow on a CPU."""
-    monkeypatch.setattr(torch._inductor, "compile", lambda graph, inputs: graph)
+    combo = []  # Inductor's combo-kernel option as each captured graph is compiled: on, the kit's default
+
+    def compile_as_traced(graph, inputs):
+        combo.append(torch._inductor.config.combo_kernels)
+        return graph
+
+    monkeypatch.setattr(torch._inductor, "compile", compile_as_traced)
     monkeypatch.setenv(ENV_BACKEND, "triton")
     grads = []
     for compiled in (False, True):
@@ -119,5 +130,6 @@ def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
         trainer(tmp_path, max_steps=1, limit_val_batches=0, callbacks=[recorder]).fit(model, datamodule=tiny_data())
         grads.append(recorder.grads)
     assert torch._dynamo.utils.counters["compiled_autograd"]["compiles"] > 0  # the backward was captured
+    assert combo and all(combo)
     for name, eager in grads[0].items():
         torch.testing.assert_close(grads[1][name], eager, rtol=1e-5, atol=1e-7, msg=name)

@@ -11,8 +11,12 @@ from fsdp_helpers import DELTA, MHAR, converted_init, losses, run_ranks, tiny_co
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import (
+    INDUCTOR_OPTIONS,
     ActivationCheckpointing,
     apply_activation_checkpointing,
+    compile_blocks,
+    compiled_backward,
+    inductor_options,
     memory_plan,
 )
 from mhar_lightning.probe import DepthMaps
@@ -105,6 +109,51 @@ def test_activation_checkpointing_keeps_loss_and_gradients(mode: str) -> None:
     assert list(checkpointed.decoder.state_dict()) == list(plain.decoder.state_dict())
     for (name, a), b in zip(plain.decoder.named_parameters(), checkpointed.decoder.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_inductor_options_refuse_unknown_keys() -> None:
+    with pytest.raises(ValueError, match=r"unknown Inductor option\(s\) \['combo_kernel'\]; see torch._inductor"):
+        inductor_options({"combo_kernel": True})
+    options = inductor_options()
+    options["max_autotune"] = True
+    assert inductor_options() == INDUCTOR_OPTIONS == {"combo_kernels": True}  # the defaults are not aliased
+
+
+@pytest.mark.parametrize("options", [None, {}])
+def test_compiled_blocks_and_backward_get_the_options(monkeypatch, options) -> None:
+    """Every graph is compiled with the kit's options by default (Inductor's own default leaves combo kernels
+    off), and `{}` leaves Inductor's defaults. The compilers are replaced by recorders that run the graphs as
+    traced, so the gradients must still be eager's."""
+    seen = {"blocks": [], "backward": []}
+
+    def block_compiler(graph, inputs, config_patches=None, **kwargs):
+        seen["blocks"].append((config_patches or {}).get("combo_kernels", torch._inductor.config.combo_kernels))
+        return graph.forward
+
+    def backward_compiler(graph, inputs):
+        seen["backward"].append(torch._inductor.config.combo_kernels)
+        return graph
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", block_compiler)
+    monkeypatch.setattr(torch._inductor, "compile", backward_compiler)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    models = [LanguageModel(seq_len=16, model_overrides={"n_layers": 1}) for _ in range(2)]
+    for model in models:
+        model.configure_model()
+    models[1].decoder.load_state_dict(models[0].decoder.state_dict())
+    compile_blocks(models[1].decoder, options)
+    batch = torch.randint(0, 256, (2, 17))
+    models[0].loss(batch).backward()
+    loss = models[1].loss(batch)
+    with compiled_backward(True, options):
+        loss.backward()
+    want = options is None
+    assert seen["blocks"] and set(seen["blocks"]) == {want}
+    assert seen["backward"] and set(seen["backward"]) == {want}
+    assert torch._inductor.config.combo_kernels is False  # the patch ends with the context
+    for (name, a), b in zip(models[0].decoder.named_parameters(), models[1].decoder.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_memory_plan_shards_states_and_checkpointing_saves_activations() -> None:
