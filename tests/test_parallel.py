@@ -154,6 +154,7 @@ def test_compiled_blocks_and_backward_get_the_options(monkeypatch, options) -> N
     assert torch._inductor.config.combo_kernels is False  # the patch ends with the context
     for (name, a), b in zip(models[0].decoder.named_parameters(), models[1].decoder.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    torch._dynamo.reset()  # no later test may reuse a graph compiled by the recorders
 
 
 def test_memory_plan_shards_states_and_checkpointing_saves_activations() -> None:
