@@ -10,6 +10,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
+import torch
 from mhar_lightning.kernels import reference
 from torch import Tensor
 
@@ -67,12 +68,45 @@ def depth_route_lse(
 
 merge_source = reference.merge_source
 
+
+def normed_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype a pre-norm's output reaches its sublayer's matmuls in: the autocast dtype while autocast is on
+    (the matmuls would cast to it), else what `weight * x` promotes to."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(weight_dtype, x_dtype)
+
+
+def merge_norm(
+    mix: Tensor,
+    lse: Tensor,
+    source: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    weight: Tensor,
+    eps: float = 1e-6,
+    norm_eps: float = 1e-5,
+    backend: str = "auto",
+) -> Tensor:
+    """`merge_source` followed by the RMSNorm of gain `weight` (see `reference.merge_norm`), in one pass on the
+    fused backend; the output has `normed_dtype`."""
+    out_dtype = normed_dtype(torch.promote_types(mix.dtype, source.dtype), weight.dtype, mix.device.type)
+    if resolve_backend(backend, [mix]) == "reference":
+        return reference.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)
+    from mhar_lightning.kernels import op
+
+    return op.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)
+
+
 __all__ = [
     "BACKENDS",
     "ENV_BACKEND",
     "depth_route",
     "depth_route_lse",
+    "merge_norm",
     "merge_source",
+    "normed_dtype",
     "reference",
     "resolve_backend",
 ]

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from mhar_lightning.kernels import triton_route
+from mhar_lightning.kernels import triton_merge, triton_route
 from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
@@ -30,6 +30,14 @@ _LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[]
 _LIB.define(
     "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
     "int heads, int[] counts) -> Tensor[]"
+)
+_LIB.define(
+    "merge_norm(Tensor mix, Tensor lse, Tensor source, Tensor u, Tensor weight, int heads, float eps, float norm_eps, "
+    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor rms, Tensor az, "
+    "int heads) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -70,9 +78,34 @@ def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
+def _merge_norm(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype):
+    """The normed merged rows (`out_dtype`) and the statistics of the backward (see `triton_merge`)."""
+    return triton_merge.merge_norm_forward(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
+
+
+def _merge_norm_fake(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype):
+    rows = mix.shape[:-1].numel()
+    stats = mix.new_empty((rows, 2), dtype=torch.float32), mix.new_empty((rows, 2, heads), dtype=torch.float32)
+    return mix.new_empty(mix.shape, dtype=out_dtype), *stats
+
+
+def _merge_norm_backward(grad_out, mix, source, u, weight, rms, az, heads):
+    """d mix, d lse, d source (in their inputs' dtypes) and the partial sums of du and d weight."""
+    dmix, dlse, dsrc, du, dw = triton_merge.merge_norm_backward(grad_out, mix, source, u, weight, rms, az, heads)
+    return dmix.to(mix.dtype), dlse, dsrc.to(source.dtype), du, dw
+
+
+def _merge_norm_backward_fake(grad_out, mix, source, u, weight, rms, az, heads):
+    parts = mix.new_empty((triton_merge.backward_blocks(mix.shape[:-1].numel()), mix.shape[-1]), dtype=torch.float32)
+    lse = mix.new_empty((*mix.shape[:-1], heads), dtype=torch.float32)
+    return mix.new_empty(mix.shape), lse, source.new_empty(source.shape), parts, torch.empty_like(parts)
+
+
 for _name, _impl, _fake in (
     ("depth_route", _route, _route_fake),
     ("depth_route_backward", _route_backward, _route_backward_fake),
+    ("merge_norm", _merge_norm, _merge_norm_fake),
+    ("merge_norm_backward", _merge_norm_backward, _merge_norm_backward_fake),
 ):
     _LIB.impl(_name, _impl, "CPU")  # the Triton interpreter (TRITON_INTERPRET=1)
     _LIB.impl(_name, _impl, "CUDA")
@@ -81,6 +114,8 @@ for _name, _impl, _fake in (
 
 route = torch.ops.mhar.depth_route.default
 route_backward = torch.ops.mhar.depth_route_backward.default
+merge_norm_op = torch.ops.mhar.merge_norm.default
+merge_norm_backward_op = torch.ops.mhar.merge_norm_backward.default
 
 
 class _Route(torch.autograd.Function):
@@ -102,6 +137,24 @@ class _Route(torch.autograd.Function):
             grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
         *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts)
         return du_parts.sum(0), None, None, None, *grads
+
+
+class _MergeNorm(torch.autograd.Function):
+    """Autograd of `merge_norm_op`: the backward op recomputes the merged row from the saved mix, source and
+    statistics."""
+
+    @staticmethod
+    def forward(ctx, mix, lse, source, u, weight, heads: int, eps: float, norm_eps: float, out_dtype: torch.dtype):
+        out, rms, az = merge_norm_op(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
+        ctx.save_for_backward(mix, source, u, weight, rms, az)
+        ctx.heads = heads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        mix, source, u, weight, rms, az = ctx.saved_tensors
+        dmix, dlse, dsrc, du, dw = merge_norm_backward_op(grad_out, mix, source, u, weight, rms, az, ctx.heads)
+        return dmix, dlse, dsrc, du.sum(0), dw.sum(0).to(weight.dtype), None, None, None, None
 
 
 def depth_route_lse(
@@ -144,3 +197,28 @@ def depth_route_lse(
 def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
     """The fused route (see `depth_route_lse`) without its log-sum-exp."""
     return depth_route_lse(sources, query, norm_weight, heads, eps)[0]
+
+
+def merge_norm(
+    mix: Tensor,
+    lse: Tensor,
+    source: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    weight: Tensor,
+    eps: float,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The fused `reference.merge_norm`: one kernel from the route (`mix` [..., d], `lse` [..., heads]) and the added
+    `source` to the normed row, one for its gradients."""
+    d = query.shape[-1]
+    check_heads(d, heads)
+    if mix.shape != source.shape or lse.shape != (*mix.shape[:-1], heads) or mix.shape[-1] != d:
+        raise ValueError(
+            f"merge_norm needs mix and source of one shape [..., {d}] and lse [..., {heads}]; got mix "
+            f"{tuple(mix.shape)}, source {tuple(source.shape)}, lse {tuple(lse.shape)}"
+        )
+    u = query.float() * norm_weight.float()
+    return _MergeNorm.apply(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)

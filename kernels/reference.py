@@ -6,6 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from mhar_lightning.norm import rms_norm
+
 
 def check_heads(d_model: int, heads: int) -> None:
     """Raise a one-line error unless `heads` splits `d_model` into equal chunks."""
@@ -117,3 +119,20 @@ def merge_source(
     old = mix.unflatten(-1, (heads, d // heads))
     out = old + weight * (source.unflatten(-1, (heads, d // heads)) - old)
     return out.flatten(-2).to(torch.promote_types(mix.dtype, source.dtype))
+
+
+def merge_norm(
+    mix: Tensor,
+    lse: Tensor,
+    source: Tensor,
+    query: Tensor,
+    norm_weight: Tensor,
+    heads: int,
+    weight: Tensor,
+    eps: float,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """`rms_norm(merge_source(...), weight, norm_eps)` in `out_dtype`: a merged read and the pre-norm of the
+    sublayer that reads it."""
+    return rms_norm(merge_source(mix, lse, source, query, norm_weight, heads, eps), weight, norm_eps).to(out_dtype)

@@ -332,7 +332,7 @@ STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a 
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -396,12 +396,12 @@ def _table(
 
 
 @functools.cache
-def _launch_shape(d: int, heads: int, elems_per_thread: int, min_warps: int, interpreted: bool) -> tuple[int, int, int]:
+def launch_shape(d: int, heads: int, elems_per_thread: int, min_warps: int, interpreter: bool) -> tuple[int, int, int]:
     """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile (at least
     `min_warps`)."""
     bh = triton.next_power_of_2(heads)
     bdh = triton.next_power_of_2(d // heads)
-    warps = 1 if interpreted else min(16, max(min_warps, bh * bdh // (32 * elems_per_thread)))
+    warps = 1 if interpreter else min(16, max(min_warps, bh * bdh // (32 * elems_per_thread)))
     return bh, bdh, warps
 
 
@@ -451,7 +451,7 @@ def route_forward(
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
     if rms is None:
         rms = torch.empty(rows, len(sources), dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["forward"], _interpreted())
+    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["forward"], interpreted())
     if rows:
         _forward_kernel[(rows,)](
             table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
@@ -497,13 +497,13 @@ def route_backward(
     pq = torch.empty(rows, S, 2, n_queries, heads, dtype=torch.float32, device=u.device)
     p, q = pq[:, :, 0], pq[:, :, 1]  # a source's p and q side by side: the statistics kernel stores both at once
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["stats"], _interpreted())
+    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["stats"], interpreted())
     _backward_stats_kernel[(rows,)](
         table, S, s0, s1, u, grad_out, glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip
-    warps = _launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["apply"], _interpreted())[2]
+    warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["apply"], interpreted())[2]
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,

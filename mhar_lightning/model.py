@@ -5,25 +5,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
+from mhar_lightning.norm import RMSNorm
 from mhar_lightning.residual import Residual, Stream, make_residual
 
 Rope = tuple[Tensor, Tensor]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with fp32 statistics (the Llama formulation)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
 def rope_cache(config: ModelConfig, seq_len: int, device: torch.device) -> Rope:
@@ -96,9 +81,9 @@ class Block(nn.Module):
     def forward(self, stream: Stream, rope: Rope) -> Stream:
         l = 2 * self.index
         stream = self.residual.enter(stream, l)
-        y = self.attn(self.attn_norm(self.residual.read(stream, l)), rope)
+        y = self.attn(self.residual.read_normed(stream, l, self.attn_norm), rope)
         stream = self.residual.write(stream, l, y)
-        y = self.mlp(self.mlp_norm(self.residual.read(stream, l + 1)))
+        y = self.mlp(self.residual.read_normed(stream, l + 1, self.mlp_norm))
         return self.residual.write(stream, l + 1, y)
 
 

@@ -25,7 +25,7 @@ class Residual(nn.Module, ABC):
         stream = final.start(embedding)
         for each transformer block (sublayers l = 2i, 2i + 1):
             stream = router.enter(stream, l)
-            for l in (2i, 2i + 1):  x = router.read(stream, l);  y = f_l(norm(x));  stream = router.write(stream, l, y)
+            for l in (2i, 2i + 1):  y = f_l(router.read_normed(stream, l, norm_l));  stream = router.write(stream, l, y)
         h = final.finish(stream)
 
     The stream is a tuple of tensors, so it can cross activation-checkpointed and FSDP-wrapped blocks.
@@ -65,6 +65,10 @@ class Residual(nn.Module, ABC):
     @abstractmethod
     def read(self, stream: Stream, l: int) -> Tensor:
         """The input of sublayer `l` (before its pre-norm)."""
+
+    def read_normed(self, stream: Stream, l: int, norm: nn.Module) -> Tensor:
+        """The pre-normed input of sublayer `l`, `norm(read(stream, l))`; a strategy may fuse the two."""
+        return norm(self.read(stream, l))
 
     @abstractmethod
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:

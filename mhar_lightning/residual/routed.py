@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.kernels import depth_route, depth_route_lse, merge_source
+from mhar_lightning.kernels import depth_route, depth_route_lse, merge_norm, merge_source
 from mhar_lightning.kernels.reference import check_heads, depth_weights
+from mhar_lightning.norm import RMSNorm
 from mhar_lightning.residual.base import Residual, Stream, register_residual
 
 KEY_NORM_EPS = 1e-6
@@ -91,10 +92,14 @@ class DepthRouter(Residual):
         sites = slice(self.site(l), self.site(l) + len(counts))
         return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS, counts)
 
-    def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int) -> Tensor:
-        """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact)."""
+    def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int, norm: RMSNorm | None = None) -> Tensor:
+        """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact); with `norm`, its
+        pre-norm applied in the same pass."""
         j = self.site(l)
-        return merge_source(mix, lse, source, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+        if norm is None:
+            return merge_source(mix, lse, source, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+        q, g = self.query[j], self.key_norm[j]
+        return merge_norm(mix, lse, source, q, g, self.heads, norm.weight, KEY_NORM_EPS, norm.eps)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, {super().extra_repr()}"
@@ -110,7 +115,9 @@ class MHAR(DepthRouter):
     The two sublayers of a transformer block differ only in their last source (the MLP's includes the
     attention output), so `enter` routes both in one pass: the attention read over the whole stream, the MLP
     read over all but the in-block partial sum, which it merges through the log-sum-exp once the attention
-    output is added. Every source is read once and its gradient written once per transformer block.
+    output is added. Every source is read once and its gradient written once per transformer block. A merged read
+    is normed in the same pass (`read_normed`), so the merged row is never written; a subclass that changes `read`
+    changes `read_normed` with it.
     Inside a block the stream is (mixes, log-sum-exps, *sources).
     """
 
@@ -140,6 +147,13 @@ class MHAR(DepthRouter):
         if self.site(l) == 0:
             return mixes[0]
         return self.merge(mixes[1], lse[1], sources[-1], l)
+
+    def read_normed(self, stream: Stream, l: int, norm: nn.Module) -> Tensor:
+        if l == self.n_sublayers or self.site(l) == 0 or not isinstance(norm, RMSNorm):
+            return norm(self.read(stream, l))
+        mixes, lse, *sources = stream
+        self.record(sources, l)
+        return self.merge(mixes[1], lse[1], sources[-1], l, norm)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
         mixes, lse, *sources = stream

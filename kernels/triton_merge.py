@@ -1,0 +1,195 @@
+"""Fused Triton kernels for a merge followed by the next sublayer's pre-norm, and their launchers.
+
+`reference.merge_source` adds one source to a route through its log-sum-exp; the sublayer then applies its
+RMSNorm. Compiled, the two take three Inductor kernels and a merged row written and read back; here the
+forward reads the mix and the source once and writes only the normed row, and the backward reads the
+upstream gradient, the mix and the source once and writes their gradients. Rows are [heads, head size]
+register tiles, as in `triton_route`, so per-head values broadcast without gathers.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from mhar_lightning.kernels.triton_route import ROW_ELEMS_PER_THREAD, interpreted, launch_shape
+from torch import Tensor
+
+MIN_WARPS = 4
+BACKWARD_ROWS = 16  # rows per backward program; sets the shape of the parameter gradients' partial sums
+DTYPES = (torch.float32, torch.bfloat16)  # read natively; others go through an fp32 copy
+
+
+@triton.jit
+def _tile(H, DH, BH: tl.constexpr, BDH: tl.constexpr):
+    """Head index, its mask, the tile mask and the column offsets of a [heads, head size] row tile."""
+    h = tl.arange(0, BH)
+    j = tl.arange(0, BDH)
+    hmask = h < H
+    return h, hmask, hmask[:, None] & (j < DH)[None, :], h[:, None] * DH + j[None, :]
+
+
+ROUND_BY_BITS = tl.constexpr(interpreted())  # the interpreter's bf16 casts truncate: round to nearest even by hand
+
+
+@triton.jit
+def _rounded(x, ROUND: tl.constexpr):
+    """x as stored in bf16 when ROUND: the unfused path keeps s - m, the merged row and its normalised form in
+    bf16 tensors when the route and the source are bf16."""
+    if ROUND:
+        if ROUND_BY_BITS:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _merge_norm_forward_kernel(
+    mix_ptr, lse_ptr, src_ptr, u_ptr, w_ptr, out_ptr, rms_ptr, az_ptr, D, H, DH, eps, norm_eps,
+    BH: tl.constexpr, BDH: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """One row per program: a = sigmoid(z - lse) per head with z = r_s <s, u>, x = m + a (s - m), out = w x r_x.
+    Saves r_s and r_x ([rows, 2]) and a and z ([rows, 2, heads]) for the backward."""
+    row = tl.program_id(0).to(tl.int64)
+    h, hmask, mask, cols = _tile(H, DH, BH, BDH)
+    at = row * D + cols
+    s = tl.load(src_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(mix_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    r_s = tl.rsqrt(tl.sum(s * s) / D + eps)
+    z = r_s * tl.sum(s * u, axis=1)
+    a = tl.sigmoid(z - tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0))
+    x = _rounded(m + a[:, None] * _rounded(s - m, ROUND), ROUND)
+    r_x = tl.rsqrt(tl.sum(x * x) / D + norm_eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, (w * _rounded(x * r_x, ROUND)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rms_ptr + row * 2, r_s)
+    tl.store(rms_ptr + row * 2 + 1, r_x)
+    tl.store(az_ptr + row * 2 * H + h, a, mask=hmask)
+    tl.store(az_ptr + row * 2 * H + H + h, z, mask=hmask)
+
+
+@triton.jit
+def _merge_norm_backward_kernel(
+    g_ptr, mix_ptr, src_ptr, u_ptr, w_ptr, rms_ptr, az_ptr, dmix_ptr, dlse_ptr, dsrc_ptr, du_ptr, dw_ptr,
+    M, D, H, DH, BR: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """BR rows per program. Through the norm, dx = r_x dn - r_x^3 / D <dn, x> x with dn = w g; through the
+    two-way softmax, dm = (1 - a) dx, dt = a (1 - a) <dx, s - m> per head (d lse = -dt, dz = dt), and
+    ds = a dx + r_s dt u - r_s^2 / D (sum_h dt z) s. The program's partial sums of du = sum r_s dt s and
+    dw = sum g n go to row `program` of du and dw (reduced by the caller: no atomics)."""
+    first = tl.program_id(0).to(tl.int64) * BR
+    h, hmask, mask, cols = _tile(H, DH, BH, BDH)
+    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    du = tl.zeros([BH, BDH], tl.float32)
+    dw = tl.zeros([BH, BDH], tl.float32)
+    for i in range(tl.minimum(M - first, BR)):
+        row = first + i
+        at = row * D + cols
+        g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(src_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(mix_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        r_s = tl.load(rms_ptr + row * 2)
+        r_x = tl.load(rms_ptr + row * 2 + 1)
+        a = tl.load(az_ptr + row * 2 * H + h, mask=hmask, other=0.0)
+        z = tl.load(az_ptr + row * 2 * H + H + h, mask=hmask, other=0.0)
+        diff = _rounded(s - m, ROUND)
+        x = _rounded(m + a[:, None] * diff, ROUND)
+        dw += g * _rounded(x * r_x, ROUND)
+        dn = g * w
+        dx = r_x * dn - (r_x * r_x * r_x / D) * tl.sum(dn * x) * x
+        dt = a * (1.0 - a) * tl.sum(dx * diff, axis=1)
+        ds = a[:, None] * dx + r_s * dt[:, None] * u - (r_s * r_s / D) * tl.sum(dt * z) * s
+        tl.store(dmix_ptr + at, ((1.0 - a)[:, None] * dx).to(dmix_ptr.dtype.element_ty), mask=mask)
+        tl.store(dsrc_ptr + at, ds.to(dsrc_ptr.dtype.element_ty), mask=mask)
+        tl.store(dlse_ptr + row * H + h, -dt, mask=hmask)
+        du += (r_s * dt)[:, None] * s
+    at = tl.program_id(0).to(tl.int64) * D + cols
+    tl.store(du_ptr + at, du, mask=mask)
+    tl.store(dw_ptr + at, dw, mask=mask)
+
+
+def backward_blocks(rows: int) -> int:
+    """Rows of the partial sums of du and dw that `merge_norm_backward` returns: one per backward program."""
+    return triton.cdiv(rows, BACKWARD_ROWS)
+
+
+def _readable(x: Tensor) -> Tensor:
+    """`x` contiguous, in fp32 unless it is fp32 or bf16 already."""
+    return (x if x.dtype in DTYPES else x.float()).contiguous()
+
+
+def _gradient_buffer(x: Tensor) -> Tensor:
+    """Where the backward writes the gradient of `x`: x's dtype when the kernels store it natively, else fp32."""
+    return torch.empty(x.shape, dtype=x.dtype if x.dtype in DTYPES else torch.float32, device=x.device)
+
+
+def _round(mix: Tensor, source: Tensor) -> bool:
+    """Whether the merged row is a bf16 tensor (both inputs bf16), whose rounding the kernels reproduce."""
+    return mix.dtype == source.dtype == torch.bfloat16
+
+
+def merge_norm_forward(
+    mix: Tensor,
+    lse: Tensor,
+    source: Tensor,
+    u: Tensor,
+    weight: Tensor,
+    heads: int,
+    eps: float,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """RMSNorm (gain `weight`, `norm_eps`) of the route `mix`, `lse` ([..., d], [..., heads]) with `source` added
+    through the folded query `u` ([d] fp32). Returns the normed rows in `out_dtype` (or into `out`), and the
+    statistics the backward needs: r_s, r_x [rows, 2] and a, z [rows, 2, heads] in fp32."""
+    d = mix.shape[-1]
+    rows = mix.numel() // d
+    round_x = _round(mix, source)
+    mix, lse, source, weight = _readable(mix), lse.float().contiguous(), _readable(source), _readable(weight)
+    if out is None:
+        out = torch.empty(mix.shape, dtype=out_dtype, device=mix.device)
+    rms = torch.empty(rows, 2, dtype=torch.float32, device=mix.device)
+    az = torch.empty(rows, 2, heads, dtype=torch.float32, device=mix.device)
+    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS, interpreted())
+    if rows:
+        _merge_norm_forward_kernel[(rows,)](
+            mix, lse, source, u.contiguous(), weight, out, rms, az, d, heads, d // heads, eps, norm_eps,
+            BH=bh, BDH=bdh, ROUND=round_x, num_warps=warps,
+        )  # fmt: skip
+    return out, rms, az
+
+
+def merge_norm_backward(
+    grad_out: Tensor,
+    mix: Tensor,
+    source: Tensor,
+    u: Tensor,
+    weight: Tensor,
+    rms: Tensor,
+    az: Tensor,
+    heads: int,
+    grads: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `merge_norm_forward` from the statistics it saved: d mix, d lse, d source (each in its
+    input's dtype, or into `grads`) and the partial sums of du and d weight, [backward_blocks(rows), d] fp32
+    each (their sums over dim 0 are the gradients)."""
+    d = mix.shape[-1]
+    rows = mix.numel() // d
+    if grads is None:
+        dlse = torch.empty(*mix.shape[:-1], heads, dtype=torch.float32, device=mix.device)
+        grads = _gradient_buffer(mix), dlse, _gradient_buffer(source)
+    du = torch.empty(backward_blocks(rows), d, dtype=torch.float32, device=mix.device)
+    dw = torch.empty_like(du)
+    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS, interpreted())
+    if rows:
+        round_x = _round(mix, source)
+        _merge_norm_backward_kernel[(du.shape[0],)](
+            _readable(grad_out), _readable(mix), _readable(source), u.contiguous(), _readable(weight), rms, az,
+            *grads, du, dw, rows, d, heads, d // heads,
+            BR=BACKWARD_ROWS, BH=bh, BDH=bdh, ROUND=round_x, num_warps=warps,
+        )  # fmt: skip
+    return (*grads, du, dw)
