@@ -33,11 +33,11 @@ _LIB.define(
 )
 _LIB.define(
     "merge_norm(Tensor mix, Tensor lse, Tensor source, Tensor u, Tensor weight, int heads, float eps, float norm_eps, "
-    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)"
+    "ScalarType out_dtype) -> (Tensor, Tensor)"
 )
 _LIB.define(
-    "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor rms, Tensor az, "
-    "int heads) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor stats, int heads) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -78,34 +78,22 @@ def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
-def _merge_norm(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype):
-    """The normed merged rows (`out_dtype`) and the statistics of the backward (see `triton_merge`)."""
-    return triton_merge.merge_norm_forward(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
-
-
 def _merge_norm_fake(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype):
-    rows = mix.shape[:-1].numel()
-    stats = mix.new_empty((rows, 2), dtype=torch.float32), mix.new_empty((rows, 2, heads), dtype=torch.float32)
-    return mix.new_empty(mix.shape, dtype=out_dtype), *stats
+    stats = mix.new_empty((mix.shape[:-1].numel(), 2 + 2 * heads), dtype=torch.float32)
+    return mix.new_empty(mix.shape, dtype=out_dtype), stats
 
 
-def _merge_norm_backward(grad_out, mix, source, u, weight, rms, az, heads):
-    """d mix, d lse, d source (in their inputs' dtypes) and the partial sums of du and d weight."""
-    dmix, dlse, dsrc, du, dw = triton_merge.merge_norm_backward(grad_out, mix, source, u, weight, rms, az, heads)
-    return dmix.to(mix.dtype), dlse, dsrc.to(source.dtype), du, dw
-
-
-def _merge_norm_backward_fake(grad_out, mix, source, u, weight, rms, az, heads):
-    parts = mix.new_empty((triton_merge.backward_blocks(mix.shape[:-1].numel()), mix.shape[-1]), dtype=torch.float32)
+def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads):
+    parts = mix.new_empty((2, triton_merge.backward_blocks(stats.shape[0]), mix.shape[-1]), dtype=torch.float32)
     lse = mix.new_empty((*mix.shape[:-1], heads), dtype=torch.float32)
-    return mix.new_empty(mix.shape), lse, source.new_empty(source.shape), parts, torch.empty_like(parts)
+    return mix.new_empty(mix.shape), lse, source.new_empty(source.shape), parts
 
 
 for _name, _impl, _fake in (
     ("depth_route", _route, _route_fake),
     ("depth_route_backward", _route_backward, _route_backward_fake),
-    ("merge_norm", _merge_norm, _merge_norm_fake),
-    ("merge_norm_backward", _merge_norm_backward, _merge_norm_backward_fake),
+    ("merge_norm", triton_merge.merge_norm_forward, _merge_norm_fake),
+    ("merge_norm_backward", triton_merge.merge_norm_backward, _merge_norm_backward_fake),
 ):
     _LIB.impl(_name, _impl, "CPU")  # the Triton interpreter (TRITON_INTERPRET=1)
     _LIB.impl(_name, _impl, "CUDA")
@@ -140,21 +128,23 @@ class _Route(torch.autograd.Function):
 
 
 class _MergeNorm(torch.autograd.Function):
-    """Autograd of `merge_norm_op`: the backward op recomputes the merged row from the saved mix, source and
-    statistics."""
+    """Autograd of `merge_norm_op`: the backward op recomputes the merged row from the saved mix and source and
+    the statistics of the forward."""
 
     @staticmethod
     def forward(ctx, mix, lse, source, u, weight, heads: int, eps: float, norm_eps: float, out_dtype: torch.dtype):
-        out, rms, az = merge_norm_op(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
-        ctx.save_for_backward(mix, source, u, weight, rms, az)
+        out, stats = merge_norm_op(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
+        ctx.save_for_backward(mix, source, u, weight, stats)
         ctx.heads = heads
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        mix, source, u, weight, rms, az = ctx.saved_tensors
-        dmix, dlse, dsrc, du, dw = merge_norm_backward_op(grad_out, mix, source, u, weight, rms, az, ctx.heads)
-        return dmix, dlse, dsrc, du.sum(0), dw.sum(0).to(weight.dtype), None, None, None, None
+        mix, source, u, weight, stats = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dmix, dlse, dsrc, parts = merge_norm_backward_op(grad_out, mix, source, u, weight, stats, ctx.heads)
+        du, dw = parts.sum(1)
+        return dmix, dlse, dsrc, du, dw.to(weight.dtype), None, None, None, None
 
 
 def depth_route_lse(
@@ -220,5 +210,7 @@ def merge_norm(
             f"merge_norm needs mix and source of one shape [..., {d}] and lse [..., {heads}]; got mix "
             f"{tuple(mix.shape)}, source {tuple(source.shape)}, lse {tuple(lse.shape)}"
         )
+    mix, source = (x.contiguous() if x.dtype in triton_merge.DTYPES else x.float().contiguous() for x in (mix, source))
     u = query.float() * norm_weight.float()
+    lse, weight = lse.float().contiguous(), weight.contiguous()
     return _MergeNorm.apply(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 MIN_WARPS = 4
 BACKWARD_ROWS = 16  # rows per backward program; sets the shape of the parameter gradients' partial sums
-DTYPES = (torch.float32, torch.bfloat16)  # read natively; others go through an fp32 copy
+DTYPES = (torch.float32, torch.bfloat16)  # row dtypes the kernels read and write
 
 
 @triton.jit
@@ -46,11 +46,11 @@ def _rounded(x, ROUND: tl.constexpr):
 
 @triton.jit
 def _merge_norm_forward_kernel(
-    mix_ptr, lse_ptr, src_ptr, u_ptr, w_ptr, out_ptr, rms_ptr, az_ptr, D, H, DH, eps, norm_eps,
+    mix_ptr, lse_ptr, src_ptr, u_ptr, w_ptr, out_ptr, stats_ptr, D, H, DH, eps, norm_eps,
     BH: tl.constexpr, BDH: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     """One row per program: a = sigmoid(z - lse) per head with z = r_s <s, u>, x = m + a (s - m), out = w x r_x.
-    Saves r_s and r_x ([rows, 2]) and a and z ([rows, 2, heads]) for the backward."""
+    Saves (r_s, r_x, a per head, z per head) for the backward: a [rows, 2 + 2 heads] fp32 row of statistics."""
     row = tl.program_id(0).to(tl.int64)
     h, hmask, mask, cols = _tile(H, DH, BH, BDH)
     at = row * D + cols
@@ -64,21 +64,22 @@ def _merge_norm_forward_kernel(
     r_x = tl.rsqrt(tl.sum(x * x) / D + norm_eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, (w * _rounded(x * r_x, ROUND)).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(rms_ptr + row * 2, r_s)
-    tl.store(rms_ptr + row * 2 + 1, r_x)
-    tl.store(az_ptr + row * 2 * H + h, a, mask=hmask)
-    tl.store(az_ptr + row * 2 * H + H + h, z, mask=hmask)
+    stats = stats_ptr + row * (2 + 2 * H)
+    tl.store(stats, r_s)
+    tl.store(stats + 1, r_x)
+    tl.store(stats + 2 + h, a, mask=hmask)
+    tl.store(stats + 2 + H + h, z, mask=hmask)
 
 
 @triton.jit
 def _merge_norm_backward_kernel(
-    g_ptr, mix_ptr, src_ptr, u_ptr, w_ptr, rms_ptr, az_ptr, dmix_ptr, dlse_ptr, dsrc_ptr, du_ptr, dw_ptr,
+    g_ptr, mix_ptr, src_ptr, u_ptr, w_ptr, stats_ptr, dmix_ptr, dlse_ptr, dsrc_ptr, parts_ptr,
     M, D, H, DH, BR: tl.constexpr, BH: tl.constexpr, BDH: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     """BR rows per program. Through the norm, dx = r_x dn - r_x^3 / D <dn, x> x with dn = w g; through the
     two-way softmax, dm = (1 - a) dx, dt = a (1 - a) <dx, s - m> per head (d lse = -dt, dz = dt), and
     ds = a dx + r_s dt u - r_s^2 / D (sum_h dt z) s. The program's partial sums of du = sum r_s dt s and
-    dw = sum g n go to row `program` of du and dw (reduced by the caller: no atomics)."""
+    dw = sum g n go to row `program` of parts[0] and parts[1] (reduced by the caller: no atomics)."""
     first = tl.program_id(0).to(tl.int64) * BR
     h, hmask, mask, cols = _tile(H, DH, BH, BDH)
     u = tl.load(u_ptr + cols, mask=mask, other=0.0)
@@ -91,10 +92,11 @@ def _merge_norm_backward_kernel(
         g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(src_ptr + at, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(mix_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        r_s = tl.load(rms_ptr + row * 2)
-        r_x = tl.load(rms_ptr + row * 2 + 1)
-        a = tl.load(az_ptr + row * 2 * H + h, mask=hmask, other=0.0)
-        z = tl.load(az_ptr + row * 2 * H + H + h, mask=hmask, other=0.0)
+        stats = stats_ptr + row * (2 + 2 * H)
+        r_s = tl.load(stats)
+        r_x = tl.load(stats + 1)
+        a = tl.load(stats + 2 + h, mask=hmask, other=0.0)
+        z = tl.load(stats + 2 + H + h, mask=hmask, other=0.0)
         diff = _rounded(s - m, ROUND)
         x = _rounded(m + a[:, None] * diff, ROUND)
         dw += g * _rounded(x * r_x, ROUND)
@@ -107,28 +109,13 @@ def _merge_norm_backward_kernel(
         tl.store(dlse_ptr + row * H + h, -dt, mask=hmask)
         du += (r_s * dt)[:, None] * s
     at = tl.program_id(0).to(tl.int64) * D + cols
-    tl.store(du_ptr + at, du, mask=mask)
-    tl.store(dw_ptr + at, dw, mask=mask)
+    tl.store(parts_ptr + at, du, mask=mask)
+    tl.store(parts_ptr + tl.num_programs(0) * D + at, dw, mask=mask)
 
 
 def backward_blocks(rows: int) -> int:
-    """Rows of the partial sums of du and dw that `merge_norm_backward` returns: one per backward program."""
+    """Programs of the backward kernel: rows of the partial sums of du and dw that `merge_norm_backward` returns."""
     return triton.cdiv(rows, BACKWARD_ROWS)
-
-
-def _readable(x: Tensor) -> Tensor:
-    """`x` contiguous, in fp32 unless it is fp32 or bf16 already."""
-    return (x if x.dtype in DTYPES else x.float()).contiguous()
-
-
-def _gradient_buffer(x: Tensor) -> Tensor:
-    """Where the backward writes the gradient of `x`: x's dtype when the kernels store it natively, else fp32."""
-    return torch.empty(x.shape, dtype=x.dtype if x.dtype in DTYPES else torch.float32, device=x.device)
-
-
-def _round(mix: Tensor, source: Tensor) -> bool:
-    """Whether the merged row is a bf16 tensor (both inputs bf16), whose rounding the kernels reproduce."""
-    return mix.dtype == source.dtype == torch.bfloat16
 
 
 def merge_norm_forward(
@@ -142,25 +129,24 @@ def merge_norm_forward(
     norm_eps: float,
     out_dtype: torch.dtype,
     out: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """RMSNorm (gain `weight`, `norm_eps`) of the route `mix`, `lse` ([..., d], [..., heads]) with `source` added
-    through the folded query `u` ([d] fp32). Returns the normed rows in `out_dtype` (or into `out`), and the
-    statistics the backward needs: r_s, r_x [rows, 2] and a, z [rows, 2, heads] in fp32."""
+    through the folded query `u` ([d] fp32); every input contiguous, rows fp32 or bf16, `lse` fp32. Returns the
+    normed rows in `out_dtype` (or into `out`) and the statistics the backward needs, [rows, 2 + 2 heads] fp32.
+
+    Called once per merged read from compiled code, so it does no more host work than the launch needs."""
     d = mix.shape[-1]
     rows = mix.numel() // d
-    round_x = _round(mix, source)
-    mix, lse, source, weight = _readable(mix), lse.float().contiguous(), _readable(source), _readable(weight)
     if out is None:
         out = torch.empty(mix.shape, dtype=out_dtype, device=mix.device)
-    rms = torch.empty(rows, 2, dtype=torch.float32, device=mix.device)
-    az = torch.empty(rows, 2, heads, dtype=torch.float32, device=mix.device)
+    stats = torch.empty(rows, 2 + 2 * heads, dtype=torch.float32, device=mix.device)
     bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS, interpreted())
     if rows:
         _merge_norm_forward_kernel[(rows,)](
-            mix, lse, source, u.contiguous(), weight, out, rms, az, d, heads, d // heads, eps, norm_eps,
-            BH=bh, BDH=bdh, ROUND=round_x, num_warps=warps,
+            mix, lse, source, u, weight, out, stats, d, heads, d // heads, eps, norm_eps,
+            BH=bh, BDH=bdh, ROUND=mix.dtype == source.dtype == torch.bfloat16, num_warps=warps,
         )  # fmt: skip
-    return out, rms, az
+    return out, stats
 
 
 def merge_norm_backward(
@@ -169,27 +155,23 @@ def merge_norm_backward(
     source: Tensor,
     u: Tensor,
     weight: Tensor,
-    rms: Tensor,
-    az: Tensor,
+    stats: Tensor,
     heads: int,
     grads: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of `merge_norm_forward` from the statistics it saved: d mix, d lse, d source (each in its
-    input's dtype, or into `grads`) and the partial sums of du and d weight, [backward_blocks(rows), d] fp32
-    each (their sums over dim 0 are the gradients)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of `merge_norm_forward` (inputs as there, `grad_out` contiguous) from the statistics it saved:
+    d mix, d lse, d source (in their inputs' dtypes, or into `grads`) and the partial sums of du and d weight,
+    [2, backward_blocks(rows), d] fp32 (their sums over dim 1 are the two gradients)."""
     d = mix.shape[-1]
     rows = mix.numel() // d
     if grads is None:
         dlse = torch.empty(*mix.shape[:-1], heads, dtype=torch.float32, device=mix.device)
-        grads = _gradient_buffer(mix), dlse, _gradient_buffer(source)
-    du = torch.empty(backward_blocks(rows), d, dtype=torch.float32, device=mix.device)
-    dw = torch.empty_like(du)
+        grads = torch.empty_like(mix), dlse, torch.empty_like(source)
+    parts = torch.empty(2, backward_blocks(rows), d, dtype=torch.float32, device=mix.device)
     bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS, interpreted())
     if rows:
-        round_x = _round(mix, source)
-        _merge_norm_backward_kernel[(du.shape[0],)](
-            _readable(grad_out), _readable(mix), _readable(source), u.contiguous(), _readable(weight), rms, az,
-            *grads, du, dw, rows, d, heads, d // heads,
-            BR=BACKWARD_ROWS, BH=bh, BDH=bdh, ROUND=round_x, num_warps=warps,
+        _merge_norm_backward_kernel[(parts.shape[1],)](
+            grad_out, mix, source, u, weight, stats, *grads, parts, rows, d, heads, d // heads,
+            BR=BACKWARD_ROWS, BH=bh, BDH=bdh, ROUND=mix.dtype == source.dtype == torch.bfloat16, num_warps=warps,
         )  # fmt: skip
-    return (*grads, du, dw)
+    return (*grads, parts)
