@@ -17,6 +17,10 @@ goes; it applies to every variant of the run, `sum` included.
 `--inductor KEY=VALUE` overrides one of those options (`parallel.INDUCTOR_OPTIONS`) or adds another, for the
 blocks and the compiled-autograd graphs of every variant; `--inductor combo_kernels=False` is the Inductor default.
 
+Each row's `phase_ms` splits a step into forward, backward and optimizer: the host's time to issue each and the GPU
+time between its boundaries. A phase whose GPU time is close to its host time (or the step's start) is where the
+GPU waited on the host.
+
 `--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
 each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
 between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
@@ -81,6 +85,30 @@ def profile(step, label: str) -> float:
     return sum(e.self_device_time_total for e in averages) * 1e-6
 
 
+class PhaseClock:
+    """Host and GPU time of each phase of a step: a host timestamp and a CUDA event at each phase boundary."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self) -> None:
+        self.host: list[float] = []
+        self.events: list[torch.cuda.Event] = []
+        self.mark()
+
+    def mark(self) -> None:
+        self.events.append(torch.cuda.Event(enable_timing=True))
+        self.events[-1].record()
+        self.host.append(time.perf_counter())
+
+    def phases(self) -> dict[str, list[float]]:
+        """Per phase, ms the host took to issue it and ms between its boundaries on the GPU (once synchronised)."""
+        pairs = list(zip(range(len(self.host) - 1), range(1, len(self.host)), strict=True))
+        return {
+            "host": [(self.host[b] - self.host[a]) * 1e3 for a, b in pairs],
+            "gpu": [self.events[a].elapsed_time(self.events[b]) for a, b in pairs],
+        }
+
+
 def run(
     preset: str,
     variant: str,
@@ -102,11 +130,15 @@ def run(
     data = torch.randint(0, cfg.vocab_size, (BATCH[preset], SEQ_LEN + 1), generator=gen).cuda()
     x, y = data[:, :-1], data[:, 1:]
 
-    def step() -> None:
+    def step(clock: PhaseClock | None = None) -> None:
         with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        if clock:
+            clock.mark()
         with compiled_backward(compiled_autograd, options):
             loss.backward()
+        if clock:
+            clock.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -119,16 +151,15 @@ def run(
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     graphs = counters["stats"]["unique_graphs"]
-    times, host = [], []
+    times, host, phases = [], [], []
     for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        step()
-        host.append(time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+        clock = PhaseClock()
+        step(clock)
+        clock.mark()
+        clock.events[-1].synchronize()
+        host.append(clock.host[-1] - clock.host[0])
+        times.append(clock.events[0].elapsed_time(clock.events[-1]) * 1e-3)
+        phases.append(clock.phases())
     peak = torch.cuda.max_memory_allocated()
     kernel_s = profile(step, f"{preset} {variant} {precision}") if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
@@ -144,6 +175,11 @@ def run(
         "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
         "host_s_steps": host,
         "graphs_compiled_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,  # 0 unless recompiling
+        "phase_ms": {  # medians: a phase whose GPU time is close to its host time waited on the host
+            f"{phase} {side}": statistics.median(p[side][i] for p in phases)
+            for i, phase in enumerate(PhaseClock.PHASES)
+            for side in ("host", "gpu")
+        },
     }
     if kernel_s is not None:
         row["gpu_busy"] = kernel_s / row["step_s"]  # of a timed step, the fraction the kernels account for

@@ -1,5 +1,5 @@
-"""`mhar::depth_route` and `mhar::depth_route_backward`: `torch.library` ops over the Triton kernels, with autograd
-from a `torch.autograd.Function` that calls them.
+"""`mhar::depth_route`, `mhar::depth_route_backward` and `mhar::merge_norm_backward`: `torch.library` ops over the
+Triton kernels, with autograd from `torch.autograd.Function`s that call them.
 
 The ops have fake (shape-only) implementations, so `torch.compile(fullgraph=True)` traces a block through the
 Function without graph breaks, and checkpoint recomputation simply calls them again (no state is kept across
@@ -30,10 +30,6 @@ _LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[]
 _LIB.define(
     "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
     "int heads, int[] counts) -> Tensor[]"
-)
-_LIB.define(
-    "merge_norm(Tensor mix, Tensor lse, Tensor source, Tensor u, Tensor weight, int heads, float eps, float norm_eps, "
-    "ScalarType out_dtype) -> (Tensor, Tensor)"
 )
 _LIB.define(
     "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor stats, int heads) "
@@ -78,11 +74,6 @@ def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
-def _merge_norm_fake(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype):
-    stats = mix.new_empty((mix.shape[:-1].numel(), 2 + 2 * heads), dtype=torch.float32)
-    return mix.new_empty(mix.shape, dtype=out_dtype), stats
-
-
 def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads):
     parts = mix.new_empty((2, triton_merge.backward_blocks(stats.shape[0]), mix.shape[-1]), dtype=torch.float32)
     lse = mix.new_empty((*mix.shape[:-1], heads), dtype=torch.float32)
@@ -92,7 +83,6 @@ def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads):
 for _name, _impl, _fake in (
     ("depth_route", _route, _route_fake),
     ("depth_route_backward", _route_backward, _route_backward_fake),
-    ("merge_norm", triton_merge.merge_norm_forward, _merge_norm_fake),
     ("merge_norm_backward", triton_merge.merge_norm_backward, _merge_norm_backward_fake),
 ):
     _LIB.impl(_name, _impl, "CPU")  # the Triton interpreter (TRITON_INTERPRET=1)
@@ -102,7 +92,6 @@ for _name, _impl, _fake in (
 
 route = torch.ops.mhar.depth_route.default
 route_backward = torch.ops.mhar.depth_route_backward.default
-merge_norm_op = torch.ops.mhar.merge_norm.default
 merge_norm_backward_op = torch.ops.mhar.merge_norm_backward.default
 
 
@@ -128,12 +117,12 @@ class _Route(torch.autograd.Function):
 
 
 class _MergeNorm(torch.autograd.Function):
-    """Autograd of `merge_norm_op`: the backward op recomputes the merged row from the saved mix and source and
-    the statistics of the forward."""
+    """A merged read normed by its sublayer's RMSNorm: the forward in PyTorch ops (`triton_merge.merge_norm_forward`,
+    fused by the compiler with its neighbours), the backward one kernel from the forward's statistics."""
 
     @staticmethod
     def forward(ctx, mix, lse, source, u, weight, heads: int, eps: float, norm_eps: float, out_dtype: torch.dtype):
-        out, stats = merge_norm_op(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
+        out, stats = triton_merge.merge_norm_forward(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
         ctx.save_for_backward(mix, source, u, weight, stats)
         ctx.heads = heads
         return out
@@ -201,8 +190,8 @@ def merge_norm(
     norm_eps: float,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """The fused `reference.merge_norm`: one kernel from the route (`mix` [..., d], `lse` [..., heads]) and the added
-    `source` to the normed row, one for its gradients."""
+    """`reference.merge_norm` (the route `mix` [..., d], `lse` [..., heads] with `source` added, then normed) with
+    one fused kernel for all its gradients."""
     d = query.shape[-1]
     check_heads(d, heads)
     if mix.shape != source.shape or lse.shape != (*mix.shape[:-1], heads) or mix.shape[-1] != d:

@@ -1,10 +1,11 @@
-"""Fused Triton kernels for a merge followed by the next sublayer's pre-norm, and their launchers.
+"""The merged read and the next sublayer's pre-norm: forward in PyTorch ops, backward one fused Triton kernel.
 
 `reference.merge_source` adds one source to a route through its log-sum-exp; the sublayer then applies its
-RMSNorm. Compiled, the two take three Inductor kernels and a merged row written and read back; here the
-forward reads the mix and the source once and writes only the normed row, and the backward reads the
-upstream gradient, the mix and the source once and writes their gradients. Rows are [heads, head size]
-register tiles, as in `triton_route`, so per-head values broadcast without gathers.
+RMSNorm. The forward stays plain ops, which a compiled block fuses with its neighbours at no extra host cost (a
+kernel of its own cost more host time than it saved in a 350m step, benchmarks/NOTES.md v15); it also returns a
+few statistics per row. From them the backward kernel reads the upstream gradient, the mix and the source once
+and writes their gradients, where the compiled backward took several kernels and about twice as long.
+Rows are [heads, head size] register tiles, as in `triton_route`, so per-head values broadcast without gathers.
 """
 
 import torch
@@ -42,33 +43,6 @@ def _rounded(x, ROUND: tl.constexpr):
         else:
             x = x.to(tl.bfloat16).to(tl.float32)
     return x
-
-
-@triton.jit
-def _merge_norm_forward_kernel(
-    mix_ptr, lse_ptr, src_ptr, u_ptr, w_ptr, out_ptr, stats_ptr, D, H, DH, eps, norm_eps,
-    BH: tl.constexpr, BDH: tl.constexpr, ROUND: tl.constexpr,
-):  # fmt: skip
-    """One row per program: a = sigmoid(z - lse) per head with z = r_s <s, u>, x = m + a (s - m), out = w x r_x.
-    Saves (r_s, r_x, a per head, z per head) for the backward: a [rows, 2 + 2 heads] fp32 row of statistics."""
-    row = tl.program_id(0).to(tl.int64)
-    h, hmask, mask, cols = _tile(H, DH, BH, BDH)
-    at = row * D + cols
-    s = tl.load(src_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(mix_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + cols, mask=mask, other=0.0)
-    r_s = tl.rsqrt(tl.sum(s * s) / D + eps)
-    z = r_s * tl.sum(s * u, axis=1)
-    a = tl.sigmoid(z - tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0))
-    x = _rounded(m + a[:, None] * _rounded(s - m, ROUND), ROUND)
-    r_x = tl.rsqrt(tl.sum(x * x) / D + norm_eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + at, (w * _rounded(x * r_x, ROUND)).to(out_ptr.dtype.element_ty), mask=mask)
-    stats = stats_ptr + row * (2 + 2 * H)
-    tl.store(stats, r_s)
-    tl.store(stats + 1, r_x)
-    tl.store(stats + 2 + h, a, mask=hmask)
-    tl.store(stats + 2 + H + h, z, mask=hmask)
 
 
 @triton.jit
@@ -128,25 +102,23 @@ def merge_norm_forward(
     eps: float,
     norm_eps: float,
     out_dtype: torch.dtype,
-    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm (gain `weight`, `norm_eps`) of the route `mix`, `lse` ([..., d], [..., heads]) with `source` added
-    through the folded query `u` ([d] fp32); every input contiguous, rows fp32 or bf16, `lse` fp32. Returns the
-    normed rows in `out_dtype` (or into `out`) and the statistics the backward needs, [rows, 2 + 2 heads] fp32.
-
-    Called once per merged read from compiled code, so it does no more host work than the launch needs."""
+    through the folded query `u` ([d] fp32), computed as `reference.merge_norm` does (s - m, the merged row and its
+    normalised form rounded to the rows' dtype), in `out_dtype`; and the statistics the backward kernel reads,
+    (r_s, r_x, a per head, z per head) for each row: [rows, 2 + 2 heads] fp32."""
     d = mix.shape[-1]
-    rows = mix.numel() // d
-    if out is None:
-        out = torch.empty(mix.shape, dtype=out_dtype, device=mix.device)
-    stats = torch.empty(rows, 2 + 2 * heads, dtype=torch.float32, device=mix.device)
-    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS, interpreted())
-    if rows:
-        _merge_norm_forward_kernel[(rows,)](
-            mix, lse, source, u, weight, out, stats, d, heads, d // heads, eps, norm_eps,
-            BH=bh, BDH=bdh, ROUND=mix.dtype == source.dtype == torch.bfloat16, num_warps=warps,
-        )  # fmt: skip
-    return out, stats
+    s32 = source.float()
+    r_s = torch.rsqrt(s32.square().mean(-1, keepdim=True) + eps)
+    z = (s32.unflatten(-1, (heads, d // heads)) * u.view(heads, -1)).sum(-1) * r_s
+    a = torch.sigmoid(z - lse)
+    old = mix.unflatten(-1, (heads, d // heads))
+    x = (old + a[..., None] * (source.unflatten(-1, (heads, d // heads)) - old)).flatten(-2)
+    x = x.to(torch.promote_types(mix.dtype, source.dtype))
+    x32 = x.float()
+    r_x = torch.rsqrt(x32.square().mean(-1, keepdim=True) + norm_eps)
+    out = (weight * (x32 * r_x).type_as(x)).to(out_dtype)
+    return out, torch.cat([r_s, r_x, a, z], -1).view(-1, 2 + 2 * heads)
 
 
 def merge_norm_backward(
@@ -159,9 +131,11 @@ def merge_norm_backward(
     heads: int,
     grads: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of `merge_norm_forward` (inputs as there, `grad_out` contiguous) from the statistics it saved:
+    """Gradients of `merge_norm_forward` from the statistics it returned (every input contiguous, rows fp32 or bf16):
     d mix, d lse, d source (in their inputs' dtypes, or into `grads`) and the partial sums of du and d weight,
-    [2, backward_blocks(rows), d] fp32 (their sums over dim 1 are the two gradients)."""
+    [2, backward_blocks(rows), d] fp32 (their sums over dim 1 are the two gradients).
+
+    Called once per merged read from compiled code, so it does no more host work than the launch needs."""
     d = mix.shape[-1]
     rows = mix.numel() // d
     if grads is None:
