@@ -89,8 +89,8 @@ def merge_norm(
     norm_eps: float = 1e-5,
     backend: str = "auto",
 ) -> Tensor:
-    """`merge_source` followed by the RMSNorm of gain `weight` (see `reference.merge_norm`), in one pass on the
-    fused backend; the output has `normed_dtype`."""
+    """`merge_source` followed by the RMSNorm of gain `weight` (see `reference.merge_norm`), differentiated by one
+    fused kernel on the Triton backend; the output has `normed_dtype`."""
     out_dtype = normed_dtype(torch.promote_types(mix.dtype, source.dtype), weight.dtype, mix.device.type)
     if resolve_backend(backend, [mix]) == "reference":
         return reference.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)

@@ -333,6 +333,7 @@ APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sum
 
 
 def interpreted() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (`TRITON_INTERPRET=1`, the test setup)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -134,7 +134,7 @@ class DirectMHAR(MHAR):
     def read(self, stream, l):
         return self.route(stream, l)
 
-    read_normed = Residual.read_normed  # norm(read(...)): MHAR's own fuses its merge into the norm
+    read_normed = Residual.read_normed  # norm(read(...)): MHAR's own runs its merged reads through merge_norm
 
     def write(self, stream, l, y):
         return (*stream, y) if l % self.block_len == 0 else (*stream[:-1], stream[-1] + y)

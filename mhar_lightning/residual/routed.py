@@ -93,8 +93,8 @@ class DepthRouter(Residual):
         return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS, counts)
 
     def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int, norm: RMSNorm | None = None) -> Tensor:
-        """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact); with `norm`, its
-        pre-norm applied in the same pass."""
+        """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact); with `norm`, normed
+        by it, the two differentiated by one fused kernel on the Triton backend."""
         j = self.site(l)
         if norm is None:
             return merge_source(mix, lse, source, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
@@ -116,8 +116,8 @@ class MHAR(DepthRouter):
     attention output), so `enter` routes both in one pass: the attention read over the whole stream, the MLP
     read over all but the in-block partial sum, which it merges through the log-sum-exp once the attention
     output is added. Every source is read once and its gradient written once per transformer block. A merged read
-    is normed in the same pass (`read_normed`), so the merged row is never written; a subclass that changes `read`
-    changes `read_normed` with it.
+    and its pre-norm share one fused backward (`read_normed`); a subclass that changes `read` changes `read_normed`
+    with it.
     Inside a block the stream is (mixes, log-sum-exps, *sources).
     """
 
