@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from fsdp_helpers import DELTA, MHAR, converted_init, losses, run_ranks, tiny_corpus
+from mhar_lightning.kernels import ENV_BACKEND
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.module import LanguageModel
@@ -94,8 +95,10 @@ def test_sharded_losses_match_one_process(
         np.testing.assert_allclose(getattr(maps[1], field), getattr(maps[0], field), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_keeps_loss_and_gradients(mode: str) -> None:
+@pytest.mark.parametrize("mode,backend", [("full", "reference"), ("selective", "reference"), ("full", "triton")])
+def test_activation_checkpointing_keeps_loss_and_gradients(monkeypatch, mode: str, backend: str) -> None:
+    """Recomputing checkpointed blocks changes no gradient, also through the fused kernels (in the interpreter)."""
+    monkeypatch.setenv(ENV_BACKEND, backend)
     torch.manual_seed(0)
     plain = LanguageModel(residual=MHAR, seq_len=32)
     plain.configure_model()
