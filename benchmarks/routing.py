@@ -17,7 +17,7 @@ import json
 
 import torch
 import triton
-from mhar_lightning.kernels import depth_route, merge_norm, reference, triton_route
+from mhar_lightning.kernels import depth_route, merge_norm, reference, triton_merge, triton_route
 from triton.testing import do_bench
 
 
@@ -130,9 +130,9 @@ def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
 
 def bench_merge_norm(bw: float) -> None:
     """Device time of a merged read and its pre-norm (bf16 route and source under autocast, H = 8), compiled, with
-    the fused backward kernel and without, forward and backward, against their byte floors: the forward reads the
-    mix and the source and writes the normed row (3 rows), the backward reads the upstream gradient, the mix and the
-    source and writes the gradients of the mix and the source (5 rows)."""
+    the fused backward kernel (at its default warps and at 8 or more) and without, forward and backward, against
+    their byte floors: the forward reads the mix and the source and writes the normed row (3 rows), the backward
+    reads the upstream gradient, the mix and the source and writes the gradients of the mix and the source (5 rows)."""
     for tokens, d in ((16384, 1024), (8192, 2048)):
         gen = torch.Generator(device="cuda").manual_seed(0)
         mix, source = (torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
@@ -141,7 +141,12 @@ def bench_merge_norm(bw: float) -> None:
         leaves = [x.requires_grad_() for x in (mix, lse, source, query, gain, weight)]
         go = torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16)
         row_ms = tokens * d * 2 / bw * 1e3
-        for label, backend in (("fused backward", "triton"), ("unfused", "reference")):
+        for label, backend, warps in (
+            ("fused backward", "triton", 4),
+            ("fused backward, at least 8 warps", "triton", 8),
+            ("unfused", "reference", 4),
+        ):
+            triton_merge.MIN_WARPS = warps  # read at each launch
             fn = torch.compile(functools.partial(merge_norm, heads=8, backend=backend), dynamic=False)
 
             def forward():
@@ -155,6 +160,7 @@ def bench_merge_norm(bw: float) -> None:
                 f"backward {both - fwd:.3f} ms ({5 * row_ms / (both - fwd):.2f})",
                 flush=True,
             )
+    triton_merge.MIN_WARPS = 4
 
 
 def main() -> None:
