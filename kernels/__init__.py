@@ -69,14 +69,6 @@ def depth_route_lse(
 merge_source = reference.merge_source
 
 
-def normed_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, device_type: str) -> torch.dtype:
-    """The dtype a pre-norm's output reaches its sublayer's matmuls in: the autocast dtype while autocast is on
-    (the matmuls would cast to it), else what `weight * x` promotes to."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return torch.promote_types(weight_dtype, x_dtype)
-
-
 def merge_norm(
     mix: Tensor,
     lse: Tensor,
@@ -90,8 +82,13 @@ def merge_norm(
     backend: str = "auto",
 ) -> Tensor:
     """`merge_source` followed by the RMSNorm of gain `weight` (see `reference.merge_norm`), differentiated by one
-    fused kernel on the Triton backend; the output has `normed_dtype`."""
-    out_dtype = normed_dtype(torch.promote_types(mix.dtype, source.dtype), weight.dtype, mix.device.type)
+    fused kernel on the Triton backend. The output comes in the dtype the sublayer's matmuls take: the autocast dtype
+    while autocast is on, else what `weight * merged` promotes to."""
+    device = mix.device.type
+    if torch.is_autocast_enabled(device):
+        out_dtype = torch.get_autocast_dtype(device)
+    else:
+        out_dtype = torch.promote_types(weight.dtype, torch.promote_types(mix.dtype, source.dtype))
     if resolve_backend(backend, [mix]) == "reference":
         return reference.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)
     from mhar_lightning.kernels import op
@@ -106,7 +103,6 @@ __all__ = [
     "depth_route_lse",
     "merge_norm",
     "merge_source",
-    "normed_dtype",
     "reference",
     "resolve_backend",
 ]
