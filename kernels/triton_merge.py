@@ -117,7 +117,9 @@ def merge_norm_forward(
     x = x.to(torch.promote_types(mix.dtype, source.dtype))
     x32 = x.float()
     r_x = torch.rsqrt(x32.square().mean(-1, keepdim=True) + norm_eps)
-    out = (weight * (x32 * r_x).type_as(x)).to(out_dtype)
+    out = weight * (x32 * r_x).type_as(x)
+    if out.dtype != out_dtype:  # a no-op `to` as the autograd Function's output lost its gradient (torch 2.11 compile)
+        out = out.to(out_dtype)
     return out, torch.cat([r_s, r_x, a, z], -1).view(-1, 2 + 2 * heads)
 
 

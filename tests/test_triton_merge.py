@@ -95,7 +95,7 @@ def gradients(inputs, heads: int, checkpointed: bool = False, compiled_autograd:
     leaves = [x.detach().requires_grad_() for x in inputs[:-1]]
 
     def f(*xs):
-        return merge_norm(*xs[:5], heads, xs[5], backend="triton") * 2
+        return merge_norm(*xs[:5], heads, xs[5], backend="triton")
 
     out = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False) if checkpointed else f(*leaves)
     with maybe_enable_compiled_autograd(compiled_autograd, fullgraph=False, dynamic=False):
@@ -118,6 +118,26 @@ def test_compiled_autograd_matches_eager():
     for eager, captured in zip(gradients(inputs, 8), gradients(inputs, 8, compiled_autograd=True), strict=True):
         assert rel(captured, eager) < 1e-6
     assert torch._dynamo.utils.counters["compiled_autograd"]["compiles"] > compiles  # the backward was captured
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_traced_by_torch_compile_matches_eager(dtype):
+    """Traced into a compiled graph (as in a compiled block) and followed by a matmul, the fused path gives eager's
+    gradients. Under torch 2.11 an output made by a no-op `to` (fp32 rows, fp32 gain) came back with no gradient."""
+    inputs = make(32, 4, (2, 4), dtype, seed=7)
+    proj = torch.randn(32, 16, device=DEVICE, dtype=torch.promote_types(dtype, torch.float32))
+
+    def f(mix, lse, source, query, gain, weight):
+        return (merge_norm(mix, lse, source, query, gain, 4, weight, backend="triton") @ proj).square().sum()
+
+    def grads(fn):
+        leaves = [x.detach().requires_grad_() for x in inputs[:-1]]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for name, a, b in zip(("mix", "lse", "source", "query", "gain", "weight"), grads(compiled), grads(f), strict=True):
+        assert rel(a, b) < 1e-6, name
 
 
 def test_shapes_checked():
