@@ -336,9 +336,13 @@ def test_opcheck():
         torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
 
 
+@pytest.mark.parametrize(
+    "compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
+)
 @pytest.mark.parametrize("residual", ["mhar", "delta-mhar"])
-def test_compiled_decoder_block_fullgraph(monkeypatch, residual):
-    """A real decoder block (block MHAR, delta-MHAR with its stride-0 null source) traces without graph breaks."""
+def test_compiled_decoder_block_fullgraph(monkeypatch, residual, compiler):
+    """A real decoder block (block MHAR, delta-MHAR with its stride-0 null source) traces without graph breaks and
+    gives eager's gradients, also through Inductor's generated code on the GPU (slow to compile on the CPU)."""
     from mhar_lightning.config import ModelConfig
     from mhar_lightning.model import Decoder, rope_cache
     from mhar_lightning.residual import make_residual
@@ -355,7 +359,7 @@ def test_compiled_decoder_block_fullgraph(monkeypatch, residual):
     block = model.blocks[1]
     stream = (*model.final_residual.start(torch.randn(2, 4, 32, device=DEVICE)), torch.randn(2, 4, 32, device=DEVICE))
     rope = rope_cache(cfg, 4, torch.device(DEVICE))
-    out = torch.compile(block, fullgraph=True, backend="aot_eager")(stream, rope)
+    out = torch.compile(block, fullgraph=True, backend=compiler)(stream, rope)
     sum(o.square().sum() for o in out).backward(retain_graph=True)
     grads = [p.grad.clone() for p in block.parameters()]
     block.zero_grad()
