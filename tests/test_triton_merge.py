@@ -123,7 +123,8 @@ def test_compiled_autograd_matches_eager():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_traced_by_torch_compile_matches_eager(dtype):
     """Traced into a compiled graph (as in a compiled block) and followed by a matmul, the fused path gives eager's
-    gradients. Under torch 2.11 an output made by a no-op `to` (fp32 rows, fp32 gain) came back with no gradient."""
+    gradients. Under torch 2.11 an output made by a no-op `to` (no autocast, so the normed row already had the
+    output dtype) came back with no gradient."""
     inputs = make(32, 4, (2, 4), dtype, seed=7)
     proj = torch.randn(32, 16, device=DEVICE, dtype=torch.promote_types(dtype, torch.float32))
 
