@@ -1,7 +1,10 @@
 """Test setup: Triton kernels in the CPU interpreter when no GPU is present; every test offline and cache-free."""
 
+import atexit
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Inductor's on-disk cache does not key on a custom op's fake implementation, so a stale entry could hide a change.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache = tempfile.mkdtemp(prefix="mhar-inductor-")
+atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
