@@ -48,7 +48,7 @@ def stub_kernels() -> None:
         return out, torch.empty(u.shape[0], *lead, heads), torch.empty(lead.numel(), len(sources))
 
     def backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts=(), grads=None):
-        du = torch.empty(triton_route.du_blocks(sources[0].shape[:-1].numel()), *u.shape)
+        du = torch.empty(triton_route.du_blocks(sources[0].shape[:-1].numel(), len(sources)), *u.shape)
         return [torch.empty_like(v) for v in sources], du
 
     triton_route.route_forward, triton_route.route_backward = forward, backward

@@ -70,7 +70,7 @@ def _route_backward(
 
 def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
     rows = sources[0].shape[:-1].numel()
-    du_parts = u.new_empty((triton_route.du_blocks(rows), *u.shape), dtype=torch.float32)
+    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 

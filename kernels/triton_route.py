@@ -5,7 +5,7 @@ per source), so the history is never concatenated. Every kernel works on whole r
 as a [heads, head size] register tile, so the full-width RMS that couples the heads is a plain
 reduction and per-head values broadcast without gathers. The forward and the backward statistics
 run one program per row over all sources; the backward then writes each source's gradient from
-small per-(row, source) coefficients, one program per block of rows looping over the sources.
+small per-(row, source) coefficients, one program per (block of rows, source).
 """
 
 import functools
@@ -265,20 +265,32 @@ def _backward_stats_kernel(
 
 
 @triton.jit
-def _apply_source(
-    table, S, n, row, x, go0, go1, u0, u1, du0, du1, h, hmask, mask, cols, p_ptr, q_ptr, c_ptr, D, H,
-    ALIGN: tl.constexpr, Q: tl.constexpr,
+def _apply_rows(
+    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """Write dv_n for one row of source n (row x, fp32) and add its q v_n to du, per query."""
-    at = (row * S + n) * 2 * Q * H + h
-    q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
-    g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
-    du0 += q0 * x
-    if Q == 2:
-        q1 = tl.load(q_ptr + at + H, mask=hmask, other=0.0)[:, None]
-        g += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1 + q1 * u1
-        du1 += q1 * x
-    _store(table, n, row, D, cols, mask, g + tl.load(c_ptr + row * S + n) * x, ALIGN)
+    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
+    one per query."""
+    hmask = h < H
+    du0 = tl.zeros([BH, BDH], tl.float32)
+    du1 = du0
+    for i in range(count):
+        row = first + i
+        at = (row * S + n) * 2 * Q * H + h
+        q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
+        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
+        if Q == 2:
+            q1 = tl.load(q_ptr + at + H, mask=hmask, other=0.0)[:, None]
+            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+            g += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1 + q1 * u1
+        c = tl.load(c_ptr + row * S + n)
+        x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
+        x = _value(x32, x16, KIND)
+        _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
+        du0 += q0 * x
+        if Q == 2:
+            du1 += q1 * x
     return du0, du1
 
 
@@ -287,38 +299,26 @@ def _backward_apply_kernel(
     table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for every source n of BR rows, and the block's
-    partial sums of du_k = sum over rows and sources of q[n, k, h] v_n (reduced over row blocks by the caller).
+    """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
+    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller).
 
-    Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast without gathers.
-    A row's upstream gradients are loaded once for all its sources, whose rows are loaded one ahead.
+    Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
+    without gathers and addresses are computed once per 16-byte vector.
     """
-    first = tl.program_id(0).to(tl.int64) * BR
+    n = tl.program_id(0) % S
+    first = (tl.program_id(0) // S).to(tl.int64) * BR
+    count = tl.minimum(M - first, BR)
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
-    hmask = h < H
-    du0 = tl.zeros([BH, BDH], tl.float32)
-    du1 = du0
-    for i in range(tl.minimum(M - first, BR)):
-        row = first + i
-        i0 = row // M1
-        i1 = row % M1
-        x32, x16 = _issue(table, 0, True, i0, i1, cols, mask, K0, ALIGN)
-        a32, a16 = _issue(table, 1 % S, 1 < S, i0, i1, cols, mask, KR, ALIGN)
-        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        go1 = go0
-        if Q == 2:
-            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
-        du0, du1 = _apply_source(
-            table, S, 0, row, _value(x32, x16, K0), go0, go1, u0, u1, du0, du1, h, hmask, mask, cols,
-            p_ptr, q_ptr, c_ptr, D, H, ALIGN, Q,
+    if n == 0:  # uniform per program: each branch loads with its own kind
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BH, BDH, K0, ALIGN, Q,
         )  # fmt: skip
-        for n in range(1, S):
-            b32, b16 = _issue(table, tl.minimum(n + 1, S - 1), n + 1 < S, i0, i1, cols, mask, KR, ALIGN)
-            du0, du1 = _apply_source(
-                table, S, n, row, _value(a32, a16, KR), go0, go1, u0, u1, du0, du1, h, hmask, mask, cols,
-                p_ptr, q_ptr, c_ptr, D, H, ALIGN, Q,
-            )  # fmt: skip
-            a32, a16 = b32, b16
+    else:
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BH, BDH, KR, ALIGN, Q,
+        )  # fmt: skip
     at = tl.program_id(0).to(tl.int64) * Q * D + cols
     tl.store(du_ptr + at, du0, mask=mask)
     if Q == 2:
@@ -329,7 +329,7 @@ MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer b
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
 MIN_WARPS = {"forward": 4, "stats": 1, "apply": 4}  # per kernel: 2 warps at d = 1024 speed up only the statistics
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
-APPLY_ROWS = 16  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
+APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
 
 def interpreted() -> bool:
@@ -415,9 +415,9 @@ def _check_queries(u: Tensor, counts: Sequence[int], n_sources: int) -> tuple[in
     return n_queries, counts[0], counts[-1]
 
 
-def du_blocks(rows: int) -> int:
+def du_blocks(rows: int, n_sources: int) -> int:
     """Rows of the partial sums of du that `route_backward` returns: one per program of the gradient kernel."""
-    return triton.cdiv(rows, APPLY_ROWS)
+    return triton.cdiv(rows, APPLY_ROWS) * n_sources
 
 
 def out_dtype(sources: Sequence[Tensor]) -> torch.dtype:
@@ -476,10 +476,10 @@ def route_backward(
     """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
     and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
     `route_forward`): one per source (its dtype, contiguous, summed over the queries) and the partial sums of
-    du = dL/d(query * norm_weight), [du_blocks(rows), Q, d] in fp32 (their sum over dim 0 is du).
+    du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
-    per block of rows writing every source's gradient and the block's partial sum of du, so du
+    per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
     is reduced deterministically, without atomics.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
@@ -488,7 +488,7 @@ def route_backward(
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
     rows, S, dh = lead.numel(), len(sources), d // heads
-    du = torch.empty(du_blocks(rows), n_queries, d, dtype=torch.float32, device=u.device)
+    du = torch.empty(du_blocks(rows, S), n_queries, d, dtype=torch.float32, device=u.device)
     if rows == 0:
         return list(grads), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
