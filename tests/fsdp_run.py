@@ -3,9 +3,9 @@
 Lightning starts the other ranks.
 
 Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-rank{r}.json` (local vs global
-parameter elements) and, at the end, the all-gathered weights to `OUT/gathered.pt`. `--kill-at` ends every
-rank abruptly after that step, as a pre-emption would. `--probe-every N` adds the depth-attention probe, whose
-maps land in `OUT/depth_attention/`.
+parameter elements), the first optimizer step's gradients to `OUT/first-grads.pt` and, at the end, the all-gathered
+weights to `OUT/gathered.pt`. `--kill-at` ends every rank abruptly after that step, as a pre-emption would.
+`--probe-every N` adds the depth-attention probe, whose maps land in `OUT/depth_attention/`.
 """
 
 import argparse
@@ -47,6 +47,15 @@ class Record(L.Callback):
         if trainer.global_rank == 0:
             torch.save(state, self.out / "gathered.pt")
 
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: LanguageModel, optimizer) -> None:
+        if trainer.global_step == 0:  # the first step's reduced gradients, whole (a collective under FSDP2)
+            grads = {
+                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                for n, p in module.named_parameters()
+            }
+            if trainer.global_rank == 0:
+                torch.save({n: g.float().cpu() for n, g in grads.items()}, self.out / "first-grads.pt")
+
     def on_train_batch_end(self, trainer: L.Trainer, module: LanguageModel, outputs, batch, batch_idx: int) -> None:
         with open(self.out / f"losses-rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer.global_step, "loss": outputs["loss"].item()}) + "\n")
@@ -80,11 +89,14 @@ def main() -> None:
     parser.add_argument(
         "--compiled-autograd",
         action="store_true",
-        help="capture each backward with compiled autograd; its graphs run as traced (Inductor is slow on a CPU)",
+        help="capture each backward with compiled autograd; on a CPU its graphs run as traced (Inductor is slow there)",
     )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (Inductor)")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--param-dtype", default="float32", help="FSDP2 compute dtype of the parameters")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.compiled_autograd:
+    if args.compiled_autograd and args.accelerator == "cpu":
         torch._inductor.compile = lambda graph, inputs: graph
 
     L.seed_everything(0)
@@ -96,7 +108,8 @@ def main() -> None:
         optimizer={"lr": 3e-3, "warmup_steps": 2},
         init_from=args.init,
         activation_checkpointing=args.activation_checkpointing,
-        param_dtype="float32",
+        param_dtype=args.param_dtype,
+        compile=args.compile,
         compiled_autograd=args.compiled_autograd,
     )
     data = TokenDataModule(
@@ -121,7 +134,7 @@ def main() -> None:
         else "auto"
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         default_root_dir=args.out,
         strategy=strategy,
