@@ -213,7 +213,9 @@ def test_compiled_autograd_under_ddp_on_gpus_matches_eager(workdir: Path) -> Non
     common += ["--accumulate", "2", "--steps", "3"]
     eager = _run(workdir, "gpu-ddp-eager", *common)
     compiled = _run(workdir, "gpu-ddp-compiled-autograd", *common, "--compiled-autograd")
-    assert max(_gradient_errors(compiled, eager).values()) < 1e-4
+    worst = max(_gradient_errors(compiled, eager).items(), key=lambda item: item[1])
+    print("largest relative gradient error:", worst)
+    assert worst[1] < 1e-4, worst
     for rank in range(2):
         assert losses(compiled, rank) == pytest.approx(losses(eager, rank), abs=1e-4, rel=0)
 
@@ -232,5 +234,6 @@ def test_compiled_fsdp2_on_gpus_with_bf16_parameters_matches_eager(workdir: Path
     name = residual["class_path"].rsplit(".", 1)[1]
     eager = _run(workdir, f"gpu-fsdp2-{name}-eager", *common)
     compiled = _run(workdir, f"gpu-fsdp2-{name}-compiled", *common, "--compile")
-    errors = _gradient_errors(compiled, eager)
-    assert max(errors.values()) < 5e-2, sorted(errors.items(), key=lambda item: -item[1])[:3]
+    worst = sorted(_gradient_errors(compiled, eager).items(), key=lambda item: -item[1])[:3]
+    print("largest relative gradient errors:", worst)  # shown by `pytest -rA`: the margin on the card
+    assert worst[0][1] < 5e-2, worst
