@@ -201,7 +201,7 @@ GPUS = torch.cuda.device_count()
 def _gradient_errors(got: Path, want: Path) -> dict[str, float]:
     """Relative error (norm of the difference over norm) of each parameter's first-step gradient."""
     a, b = (torch.load(out / "first-grads.pt", weights_only=True) for out in (want, got))
-    return {name: ((b[name] - g).norm() / g.norm()).item() for name, g in a.items()}
+    return {name: ((b[name] - g).norm() / g.norm().clamp_min(1e-30)).item() for name, g in a.items()}
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
@@ -216,8 +216,8 @@ def test_compiled_autograd_under_ddp_on_gpus_matches_eager(workdir: Path) -> Non
     worst = max(_gradient_errors(compiled, eager).items(), key=lambda item: item[1])
     print("largest relative gradient error:", worst)
     assert worst[1] < 1e-4, worst
-    for rank in range(2):
-        assert losses(compiled, rank) == pytest.approx(losses(eager, rank), abs=1e-4, rel=0)
+    for rank in range(2):  # later steps follow, up to what Adam makes of 1e-6 differences in the gradients
+        assert losses(compiled, rank) == pytest.approx(losses(eager, rank), abs=1e-3, rel=0)
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
