@@ -33,10 +33,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _run(workdir: Path, name: str, *args: str) -> Path:
+def _run(workdir: Path, name: str, *args: str, timeout: float = 120) -> Path:
     out = workdir / name
     result = run_ranks(
-        "--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args
+        "--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args, timeout=timeout
     )  # a later --steps wins
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -196,6 +196,7 @@ def test_compiled_autograd_under_ddp_matches_eager(workdir: Path) -> None:
 
 
 GPUS = torch.cuda.device_count()
+GPU_RUN_TIMEOUT = 600  # seconds for a GPU run: a cold Inductor compile of the blocks and the backward takes minutes
 
 
 def _gradient_errors(got: Path, want: Path) -> dict[str, float]:
@@ -211,8 +212,8 @@ def test_compiled_autograd_under_ddp_on_gpus_matches_eager(workdir: Path) -> Non
     _, init = converted_init(workdir, MHAR)
     common = ["--accelerator", "gpu", "--residual", json.dumps(MHAR), "--init", str(init), "--batch", "2"]
     common += ["--accumulate", "2", "--steps", "3"]
-    eager = _run(workdir, "gpu-ddp-eager", *common)
-    compiled = _run(workdir, "gpu-ddp-compiled-autograd", *common, "--compiled-autograd")
+    eager = _run(workdir, "gpu-ddp-eager", *common, timeout=GPU_RUN_TIMEOUT)
+    compiled = _run(workdir, "gpu-ddp-compiled-autograd", *common, "--compiled-autograd", timeout=GPU_RUN_TIMEOUT)
     worst = max(_gradient_errors(compiled, eager).items(), key=lambda item: item[1])
     print("largest relative gradient error:", worst)
     assert worst[1] < 1e-4, worst
@@ -234,8 +235,8 @@ def test_compiled_fsdp2_on_gpus_matches_eager(workdir: Path, residual: dict, par
     common = ["--accelerator", "gpu", "--devices", str(min(GPUS, 2)), "--fsdp", "--param-dtype", param_dtype]
     common += ["--residual", json.dumps(residual), "--init", str(init), "--batch", "2", "--steps", "2"]
     name = f"{residual['class_path'].rsplit('.', 1)[1]}-{param_dtype}"
-    eager = _run(workdir, f"gpu-fsdp2-{name}-eager", *common)
-    compiled = _run(workdir, f"gpu-fsdp2-{name}-compiled", *common, "--compile")
+    eager = _run(workdir, f"gpu-fsdp2-{name}-eager", *common, timeout=GPU_RUN_TIMEOUT)
+    compiled = _run(workdir, f"gpu-fsdp2-{name}-compiled", *common, "--compile", timeout=GPU_RUN_TIMEOUT)
     worst = sorted(_gradient_errors(compiled, eager).items(), key=lambda item: -item[1])[:3]
     print("largest relative gradient errors:", worst)  # shown by `pytest -rA`: the margin on the card
     assert worst[0][1] < bound, worst
