@@ -84,9 +84,7 @@ def main() -> None:
     lead = src[0].shape[:-1]
     out, lse, rms = triton_route.route_forward(src, u, HEADS, 1e-6)
     table, _, aligned, k0, kr = triton_route._table(src, lead)
-    bh, bdh, warps = triton_route.launch_shape(
-        D, HEADS, triton_route.ROW_ELEMS_PER_THREAD, triton_route.MIN_WARPS["forward"], False
-    )
+    bh, bdh, warps = triton_route.kernel_launch("forward", D, HEADS)
 
     args = (table, S, S, S, u, out, lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
     constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1)

@@ -106,10 +106,12 @@ def kernel_floors(tokens: int, d: int, S: int, queries: int, bw: float) -> dict[
 
 def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
     """Device time of each kernel, and its fraction of the byte floor, per `triton_route.APPLY_ROWS` and per
-    row-tile elements per thread (`triton_route.ROW_ELEMS_PER_THREAD`, the warps of every kernel: no minimum),
-    at MODEL_SHAPES."""
+    row-tile elements per thread (`triton_route.ROW_ELEMS_PER_THREAD`, which then alone sets the warps of every
+    kernel: no minimum, no one-warp tile), at MODEL_SHAPES."""
     defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD, dict(triton_route.MIN_WARPS)
+    one_warp = dict(triton_route.ONE_WARP_TILE)
     triton_route.MIN_WARPS.update(forward=1, stats=1, apply=1)
+    triton_route.ONE_WARP_TILE.update(forward=0, stats=0, apply=0)
     for label, tokens, d, S, queries in MODEL_SHAPES:
         sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
         u = 0.1 * torch.randn(queries, d, device="cuda")
@@ -126,6 +128,7 @@ def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
             print(f"{label} (d={d} S={S} Q={queries}) apply rows {rows} elems/thread {e}: {kernels}", flush=True)
     triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults[:2]
     triton_route.MIN_WARPS.update(defaults[2])
+    triton_route.ONE_WARP_TILE.update(one_warp)
 
 
 def bench_merge_norm(bw: float) -> None:

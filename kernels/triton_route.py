@@ -328,6 +328,9 @@ def _backward_apply_kernel(
 MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
 ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 is faster than 8 at d = 2048
 MIN_WARPS = {"forward": 4, "stats": 1, "apply": 4}  # per kernel: 2 warps at d = 1024 speed up only the statistics
+ONE_WARP_TILE = {"forward": 1024, "stats": 0, "apply": 0}  # per kernel: a row tile up to this size runs in one warp
+# (no barriers between warps): the forward at d = 1024 runs 9-15 % faster so, while at d = 2048 two warps are slower
+# than four (benchmarks/RESULTS.md, v18); the statistics and gradient kernels are slower in one warp (the latter spills)
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
@@ -397,13 +400,22 @@ def _table(
 
 
 @functools.cache
-def launch_shape(d: int, heads: int, elems_per_thread: int, min_warps: int, interpreter: bool) -> tuple[int, int, int]:
+def launch_shape(
+    d: int, heads: int, elems_per_thread: int, min_warps: int, interpreter: bool, one_warp_tile: int = 0
+) -> tuple[int, int, int]:
     """Tile [heads, head size] padded to powers of two, and warps giving `elems_per_thread` per tile (at least
-    `min_warps`)."""
+    `min_warps`), or one warp for a tile of at most `one_warp_tile` elements."""
     bh = triton.next_power_of_2(heads)
     bdh = triton.next_power_of_2(d // heads)
-    warps = 1 if interpreter else min(16, max(min_warps, bh * bdh // (32 * elems_per_thread)))
+    if interpreter or bh * bdh <= one_warp_tile:
+        return bh, bdh, 1
+    warps = min(16, max(min_warps, bh * bdh // (32 * elems_per_thread)))
     return bh, bdh, warps
+
+
+def kernel_launch(kernel: str, d: int, heads: int) -> tuple[int, int, int]:
+    """`launch_shape` with the settings of `kernel` ("forward", "stats" or "apply")."""
+    return launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS[kernel], interpreted(), ONE_WARP_TILE[kernel])
 
 
 def _check_queries(u: Tensor, counts: Sequence[int], n_sources: int) -> tuple[int, int, int]:
@@ -452,7 +464,7 @@ def route_forward(
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
     if rms is None:
         rms = torch.empty(rows, len(sources), dtype=torch.float32, device=u.device)
-    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["forward"], interpreted())
+    bh, bdh, warps = kernel_launch("forward", d, heads)
     if rows:
         _forward_kernel[(rows,)](
             table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
@@ -498,13 +510,13 @@ def route_backward(
     pq = torch.empty(rows, S, 2, n_queries, heads, dtype=torch.float32, device=u.device)
     p, q = pq[:, :, 0], pq[:, :, 1]  # a source's p and q side by side: the statistics kernel stores both at once
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
-    bh, bdh, warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["stats"], interpreted())
+    bh, bdh, warps = kernel_launch("stats", d, heads)
     _backward_stats_kernel[(rows,)](
         table, S, s0, s1, u, grad_out, glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip
-    warps = launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS["apply"], interpreted())[2]
+    warps = kernel_launch("apply", d, heads)[2]
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,

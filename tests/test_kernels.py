@@ -262,23 +262,36 @@ def kind(name):
         return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
-extra = {tr._forward_kernel: {}, tr._backward_stats_kernel: {"HAS_GLSE": True, "SC": tr.STATS_SOURCES},
-         tr._backward_apply_kernel: {"BR": tr.APPLY_ROWS}}
-for (fn, more), q, (k0, kr) in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2))):
-    consts = {"BH": 8, "BDH": 128, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
+extra = {tr._forward_kernel: ("forward", {}),
+         tr._backward_stats_kernel: ("stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
+         tr._backward_apply_kernel: ("apply", {"BR": tr.APPLY_ROWS})}
+for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
+    bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
+    consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
     sig = {n: "constexpr" if n in consts else kind(n) for n in fn.arg_names}
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4})
+                   options={"num_warps": warps})
 """
 
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler rejects (a loop variable re-bound to a tensor, for one), so every
-    kernel is also compiled for sm_90 (one and two queries, each load kind) in a process without the interpreter."""
+    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps)
+    in a process without the interpreter."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_launch_shape_runs_small_row_tiles_in_one_warp():
+    """A tile of up to `one_warp_tile` elements gets one warp; a larger one `elems_per_thread` per thread, with the
+    head size padded to a power of two (d = 1536, H = 8: [8, 256])."""
+    assert triton_route.launch_shape(1024, 8, 16, 4, False, 1024) == (8, 128, 1)
+    assert triton_route.launch_shape(1024, 8, 16, 1, False, 0) == (8, 128, 2)
+    assert triton_route.launch_shape(2048, 8, 16, 4, False, 1024) == (8, 256, 4)
+    assert triton_route.launch_shape(1536, 8, 8, 4, False, 1024) == (8, 256, 8)
+    assert triton_route.launch_shape(2048, 8, 16, 4, True, 0) == (8, 256, 1)  # the interpreter: always one
 
 
 def test_kernels_refuse_more_than_two_queries():
