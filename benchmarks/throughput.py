@@ -21,6 +21,9 @@ Each row's `phase_ms` splits a step into forward, backward and optimizer: the ho
 time between its boundaries. A phase whose GPU time is close to its host time (or the step's start) is where the
 GPU waited on the host.
 
+Each row's `host` records the CPU model and clock, usable cores, load and the process's threads before the timed
+steps: the same code has issued a step in 56 ms on one machine and 97 ms on another (benchmarks/NOTES.md, "Next").
+
 `--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
 each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
 between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
@@ -32,8 +35,10 @@ import gc
 import itertools
 import json
 import os
+import re
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,6 +88,23 @@ def profile(step, label: str) -> float:
         table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
         print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
     return sum(e.self_device_time_total for e in averages) * 1e-6
+
+
+def host_facts() -> dict:
+    """What may make one machine's host slower than another's at issuing the same step: CPU model and mean clock,
+    the cores this process may use, the load, and this process's threads (Linux; fields it cannot read are left out).
+    """
+    facts = {"cores": len(os.sched_getaffinity(0)), "load": os.getloadavg()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        facts["threads"] = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return facts
+    if model := re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE):
+        facts["cpu"] = model.group(1).strip()
+    if clocks := re.findall(r"^cpu MHz\s*:\s*([\d.]+)$", cpuinfo, re.MULTILINE):
+        facts["mhz"] = round(statistics.mean(map(float, clocks)))
+    return facts
 
 
 class PhaseClock:
@@ -151,6 +173,7 @@ def run(
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     graphs = counters["stats"]["unique_graphs"]
+    facts = host_facts()
     times, host, phases = [], [], []
     for _ in range(steps):
         clock = PhaseClock()
@@ -175,6 +198,7 @@ def run(
         "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
         "host_s_steps": host,
         "graphs_compiled_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,  # 0 unless recompiling
+        "host": facts,  # before the timed steps
         "phase_ms": {  # medians: a phase whose GPU time is close to its host time waited on the host
             f"{phase} {side}": statistics.median(p[side][i] for p in phases)
             for i, phase in enumerate(PhaseClock.PHASES)
