@@ -196,7 +196,7 @@ def test_compiled_autograd_under_ddp_matches_eager(workdir: Path) -> None:
 
 
 GPUS = torch.cuda.device_count()
-GPU_RUN_TIMEOUT = 600  # seconds for a GPU run: a cold Inductor compile of the blocks and the backward takes minutes
+GPU_RUN_TIMEOUT = 600  # seconds for a GPU run: a cold Inductor compile of the blocks and the backward can take minutes
 
 
 def _gradient_errors(got: Path, want: Path) -> dict[str, float]:
