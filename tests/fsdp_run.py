@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.parallel import full_tensor
 from mhar_lightning.resume import SameWorldSize
 
 torch.set_num_threads(1)
@@ -49,10 +50,7 @@ class Record(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: LanguageModel, optimizer) -> None:
         if trainer.global_step == 0:  # the first step's reduced gradients, whole (a collective under FSDP2)
-            grads = {
-                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                for n, p in module.named_parameters()
-            }
+            grads = {n: full_tensor(p.grad) for n, p in module.named_parameters()}
             if trainer.global_rank == 0:
                 torch.save({n: g.float().cpu() for n, g in grads.items()}, self.out / "first-grads.pt")
 
