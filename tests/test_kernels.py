@@ -259,7 +259,7 @@ def test_forward_with_sharp_rising_logits_matches_reference(lazy, monkeypatch):
     sources, query, gain, _ = make(S, d, (3, 5), [torch.float32] * S, queries=2, seed=3)
     u = query * gain * 30
     ref = [v.double() for v in sources]
-    one = torch.ones(d, dtype=torch.float64)
+    one = torch.ones(d, dtype=torch.float64, device=DEVICE)
     running = torch.stack([reference.depth_logits(ref, uk.double(), one, heads) for uk in u]).cummax(-1).values
     assert ((running[..., 1:] - running[..., :-1]) > triton_route.RESCALE_MARGIN.value).any()  # rescales mid-loop
     assert (running[..., -1] - running[..., 0] > 100).any()  # exp(100) overflows fp32 without a rescale
