@@ -20,6 +20,7 @@ from torch import Tensor
 
 _TAGS = {torch.float32: 0, torch.bfloat16: 1}  # dtype tag per source in the table (the kernels test 0 / 1)
 MASKED_LOGIT = tl.constexpr(-1.0e30)  # logit of a source a query does not read: weight 0, and 0 * it stays finite
+RESCALE_MARGIN = tl.constexpr(8.0)  # the forward rescales its mix only when a logit exceeds the reference max by this
 
 
 @triton.jit
@@ -98,10 +99,20 @@ def _row_tile(u_ptr, H, DH, D, BH: tl.constexpr, BDH: tl.constexpr, Q: tl.conste
 
 
 @triton.jit
-def _mix_step(x, r, u, m, z_sum, acc, live):
-    """Online-softmax update of one query's per-head running max, normaliser and mix with one more source
-    row x of inverse RMS r (weight 0 unless `live`: the query reads fewer sources)."""
+def _mix_step(x, r, u, m, z_sum, acc, live, LAZY: tl.constexpr):
+    """Online-softmax update of one query's per-head reference max, normaliser and mix with one more source
+    row x of inverse RMS r (weight 0 unless `live`: the query reads fewer sources). LAZY moves the reference only
+    when a logit exceeds it by RESCALE_MARGIN, so most sources skip rescaling the mix: exact either way (the
+    weights are exp(z - m) / z_sum for any m), but deciding it takes a max over heads, which crosses warps
+    unless the row fits in one."""
     z = tl.where(live, r * tl.sum(x * u, axis=1), MASKED_LOGIT)
+    if LAZY:
+        if tl.max(z - m, axis=0) > RESCALE_MARGIN:
+            m_new = tl.maximum(m, z)
+            alpha = tl.exp(m - m_new)
+            z_sum, acc, m = z_sum * alpha, acc * alpha[:, None], m_new
+        e = tl.exp(z - m)
+        return m, z_sum + e, acc + e[:, None] * x
     m_new = tl.maximum(m, z)
     alpha = tl.exp(m - m_new)
     e = tl.exp(z - m_new)
@@ -109,13 +120,13 @@ def _mix_step(x, r, u, m, z_sum, acc, live):
 
 
 @triton.jit
-def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, r_ptr, D, eps, live0, live1, Q: tl.constexpr):
+def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, r_ptr, D, eps, live0, live1, Q: tl.constexpr, LAZY: tl.constexpr):
     """`_mix_step` for each query (the RMS is shared, and stored at `r_ptr` for the backward)."""
     r = tl.rsqrt(tl.sum(x * x) / D + eps)
     tl.store(r_ptr, r)
-    m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0, live0)
+    m0, z0, acc0 = _mix_step(x, r, u0, m0, z0, acc0, live0, LAZY)
     if Q == 2:
-        m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1, live1)
+        m1, z1, acc1 = _mix_step(x, r, u1, m1, z1, acc1, live1, LAZY)
     return m0, z0, acc0, m1, z1, acc1
 
 
@@ -123,6 +134,7 @@ def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, r_ptr, D, eps, live0, live1
 def _forward_kernel(
     table, S, S0, S1, u_ptr, out_ptr, lse_ptr, rms_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
+    LAZY: tl.constexpr,
 ):  # fmt: skip
     """One row per program, every query at once: source 0 (kind K0), then sources 1.. (kind KR) with two
     loads in flight. Query k reads sources 0 .. Sk - 1. Each source's inverse RMS goes to rms [rows, S]."""
@@ -137,13 +149,13 @@ def _forward_kernel(
     acc0 = tl.zeros([BH, BDH], tl.float32)
     m1, z1, acc1 = m0, z0, acc0
     m0, z0, acc0, m1, z1, acc1 = _mix_both(
-        _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S, D, eps, True, True, Q
+        _value(x32, x16, K0), u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S, D, eps, True, True, Q, LAZY
     )
     for n in range(1, S):
         c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
         x = _value(a32, a16, KR)
         m0, z0, acc0, m1, z1, acc1 = _mix_both(
-            x, u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S + n, D, eps, n < S0, n < S1, Q
+            x, u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S + n, D, eps, n < S0, n < S1, Q, LAZY
         )
         a32, a16, b32, b16 = b32, b16, c32, c16
     tl.store(out_ptr + row * D + cols, (acc0 / z0[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
@@ -331,6 +343,8 @@ MIN_WARPS = {"forward": 4, "stats": 1, "apply": 4}  # per kernel: 2 warps at d =
 ONE_WARP_TILE = {"forward": 1024, "stats": 0, "apply": 0}  # per kernel: a row tile up to this size runs in one warp
 # (no barriers between warps): the forward at d = 1024 runs 9-15 % faster so, while at d = 2048 two warps are slower
 # than four (benchmarks/RESULTS.md, v18); the statistics and gradient kernels are slower in one warp (the latter spills)
+LAZY_RESCALE_WARPS = 1  # the forward rescales lazily (`_mix_step`) at up to this many warps, where the decision
+# needs no barrier: 20 % fewer instructions a source in one warp, while at four warps it adds 6 barriers a source
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
@@ -469,7 +483,8 @@ def route_forward(
         _forward_kernel[(rows,)](
             table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
             eps,
-            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries, num_warps=warps,
+            BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries,
+            LAZY=warps <= LAZY_RESCALE_WARPS, num_warps=warps,
         )  # fmt: skip
     return out, lse, rms
 

@@ -249,6 +249,25 @@ def test_backward_tolerates_rounding_of_forward_statistics():
     assert max(rel(a, b.grad) for a, b in zip(grads, ref_leaves, strict=True)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("lazy", [True, False])
+def test_forward_with_sharp_rising_logits_matches_reference(lazy, monkeypatch):
+    """Logits whose running max jumps by more than RESCALE_MARGIN along depth, and in all by more than exp's fp32
+    range: the mix and log-sum-exp match fp64 whether the forward moves its reference max only on such jumps (lazy:
+    any one-warp launch, and the interpreter) or at every source."""
+    monkeypatch.setattr(triton_route, "LAZY_RESCALE_WARPS", 1 if lazy else 0)
+    S, d, heads = 16, 32, 2
+    sources, query, gain, _ = make(S, d, (3, 5), [torch.float32] * S, queries=2, seed=3)
+    u = query * gain * 30
+    ref = [v.double() for v in sources]
+    one = torch.ones(d, dtype=torch.float64, device=DEVICE)
+    running = torch.stack([reference.depth_logits(ref, uk.double(), one, heads) for uk in u]).cummax(-1).values
+    assert ((running[..., 1:] - running[..., :-1]) > triton_route.RESCALE_MARGIN.value).any()  # rescales mid-loop
+    assert (running[..., -1] - running[..., 0] > 100).any()  # exp(100) overflows fp32 without a rescale
+    mix, lse, _ = triton_route.route_forward(sources, u, heads, 1e-6)
+    ref_mix, ref_lse = reference.depth_route_lse(ref, u.double(), torch.ones_like(u.double()), heads)
+    assert rel(mix, ref_mix) < TOL[torch.float32] and rel(lse, ref_lse) < TOL[torch.float32]
+
+
 COMPILE_FOR_HOPPER = """
 import itertools, triton
 from triton.backends.compiler import GPUTarget
@@ -268,6 +287,8 @@ extra = {tr._forward_kernel: ("forward", {}),
 for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
     bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
     consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
+    if fn is tr._forward_kernel:
+        consts["LAZY"] = warps <= tr.LAZY_RESCALE_WARPS
     sig = {n: "constexpr" if n in consts else kind(n) for n in fn.arg_names}
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
