@@ -52,14 +52,20 @@ def converted_init(root: Path, residual: dict, tie: bool = True, seed: int = 1) 
     return model, out
 
 
-def run_ranks(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process."""
+def run_ranks(*args: str, timeout: float = 120, log: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process. With `log`, both
+    streams of every rank go to that file as they are written, so a run killed from outside still leaves its
+    output; the returned process then holds it as stdout."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for var in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    command = [sys.executable, str(SCRIPT), *args]
+    if log is None:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    with log.open("w") as out:
+        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    done.stdout = log.read_text()
+    return done
 
 
 def losses(out: Path, rank: int) -> dict[int, float]:

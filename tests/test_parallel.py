@@ -1,6 +1,7 @@
 """FSDP2 training (2 and 4 CPU processes, gloo) matches a single-process run of the same global batch."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +35,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(workdir: Path, name: str, *args: str, timeout: float = 120) -> Path:
-    out = workdir / name
-    result = run_ranks(
-        "--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args, timeout=timeout
-    )  # a later --steps wins
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    """Run the ranks into workdir/name, their output into workdir/name.log (kept when a run is cut short)."""
+    out, log = workdir / name, workdir / f"{name}.log"
+    args = ("--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args)  # a later --steps wins
+    try:
+        result = run_ranks(*args, timeout=timeout, log=log)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} ran past {timeout} s; its output ends:\n{log.read_text()[-3000:]}")
+    assert result.returncode == 0, result.stdout[-6000:]
     return out
 
 
