@@ -1,7 +1,9 @@
 """Shared pieces of the multi-process FSDP2 tests: a tiny prepared corpus, initial weights, and running ranks."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -53,19 +55,24 @@ def converted_init(root: Path, residual: dict, tie: bool = True, seed: int = 1) 
 
 
 def run_ranks(*args: str, timeout: float = 120, log: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process. With `log`, both
-    streams of every rank go to that file as they are written, so a run killed from outside still leaves its
-    output; the returned process then holds it as stdout."""
+    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process; past `timeout`, every
+    rank is killed and `subprocess.TimeoutExpired` raised. With `log`, both streams of every rank go to that file as
+    they are written, so a run killed from outside still leaves its output; the returned process holds it as stdout."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for var in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)
     command = [sys.executable, str(SCRIPT), *args]
-    if log is None:
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    with log.open("w") as out:
-        done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-    done.stdout = log.read_text()
-    return done
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(log.open("w")) if log else subprocess.PIPE
+        streams = {"stdout": out, "stderr": subprocess.STDOUT if log else subprocess.PIPE}
+        proc = stack.enter_context(subprocess.Popen(command, env=env, text=True, start_new_session=True, **streams))
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the ranks Lightning launched too, not only the first
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, log.read_text() if log else stdout, stderr or "")
 
 
 def losses(out: Path, rank: int) -> dict[int, float]:
