@@ -344,7 +344,7 @@ ONE_WARP_TILE = {"forward": 1024, "stats": 0, "apply": 0}  # per kernel: a row t
 # (no barriers between warps): the forward at d = 1024 runs 9-15 % faster so, while at d = 2048 two warps are slower
 # than four (benchmarks/RESULTS.md, v18); the statistics and gradient kernels are slower in one warp (the latter spills)
 LAZY_RESCALE_WARPS = 1  # the forward rescales lazily (`_mix_step`) at up to this many warps, where the decision
-# needs no barrier: 20 % fewer instructions a source in one warp, while at four warps it adds 6 barriers a source
+# needs no barrier: 2-7 % faster in one warp (benchmarks/RESULTS.md, v19); at four warps it adds 6 barriers a source
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
