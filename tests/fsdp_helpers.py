@@ -64,8 +64,10 @@ def run_ranks(*args: str, timeout: float = 120, log: Path | None = None) -> subp
     command = [sys.executable, str(SCRIPT), *args]
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(log.open("w")) if log else subprocess.PIPE
-        streams = {"stdout": out, "stderr": subprocess.STDOUT if log else subprocess.PIPE}
-        proc = stack.enter_context(subprocess.Popen(command, env=env, text=True, start_new_session=True, **streams))
+        err = subprocess.STDOUT if log else subprocess.PIPE
+        proc = stack.enter_context(
+            subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        )
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -1,4 +1,5 @@
-"""FSDP2 training (2 and 4 CPU processes, gloo) matches a single-process run of the same global batch."""
+"""FSDP2 and DDP training (2 and 4 CPU processes over gloo; GPUs over NCCL when present) match a single-process or
+eager run of the same global batch."""
 
 import json
 import subprocess
