@@ -33,6 +33,14 @@ from mhar_lightning.parallel import (
 from mhar_lightning.residual import Residual, make_residual
 from mhar_lightning.resume import SameWorldSize
 
+DDP_GPU_COMPILED_AUTOGRAD_SINCE = (2, 12)  # torch 2.11 failed on two H200s (NCCL); 2.11 and 2.13 pass on CPUs (gloo)
+
+
+def torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
 
 class LanguageModel(L.LightningModule):
     """Causal language model training: fp32 chunked cross-entropy, AdamW groups, warmup + cosine/WSD.
@@ -192,10 +200,17 @@ class LanguageModel(L.LightningModule):
     def check_strategy(self, trainer: L.Trainer) -> None:
         """Refuse training settings that `trainer`'s strategy cannot run."""
         strategy = trainer.strategy
-        if self.compiled_autograd and trainer.world_size > 1 and not isinstance(strategy, DDPStrategy):
+        if not self.compiled_autograd or trainer.world_size == 1:
+            return
+        if not isinstance(strategy, DDPStrategy):
             raise ValueError(
                 f"compiled_autograd=true runs in one process or under DDP, not under {type(strategy).__name__}"
                 f" across {trainer.world_size} ranks; set model.compiled_autograd=false or trainer.strategy=ddp"
+            )
+        if strategy.root_device.type == "cuda" and torch_release() < DDP_GPU_COMPILED_AUTOGRAD_SINCE:
+            raise ValueError(
+                "compiled_autograd=true under DDP on GPUs crashed with torch 2.11 (in DDP's compiled gradient hook, "
+                f"leaving the ranks hung) and this is torch {torch.__version__}; set model.compiled_autograd=false"
             )
 
     def setup(self, stage: str) -> None:

@@ -2,14 +2,17 @@
 autograd."""
 
 import math
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from mhar_lightning.kernels import ENV_BACKEND
 from torch import nn
 
+from mhar_lightning import module
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
 
@@ -103,6 +106,26 @@ class GradientRecorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+@pytest.mark.parametrize("release", [(2, 11), (2, 12)])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compiled_autograd_under_ddp_on_gpus_is_refused_where_torch_crashed(monkeypatch, release, device) -> None:
+    """On two H200s torch 2.11 crashed in DDP's compiled gradient hook and left the ranks hung: that combination gets
+    a one-line error at setup, while DDP on CPUs (which passed with 2.11 and 2.13) and later torch releases run."""
+    monkeypatch.setattr(module, "torch_release", lambda: release)
+    ddp = DDPStrategy(parallel_devices=[torch.device(device, 0), torch.device(device, 1)])
+    run = SimpleNamespace(strategy=ddp, world_size=2)
+    if device == "cuda" and release < module.DDP_GPU_COMPILED_AUTOGRAD_SINCE:
+        with pytest.raises(
+            ValueError,
+            match=r"^compiled_autograd=true under DDP on GPUs crashed with torch 2.11 .*"
+            r"set model.compiled_autograd=false$",
+        ):
+            tiny_model(compiled_autograd=True).check_strategy(run)
+    else:
+        tiny_model(compiled_autograd=True).check_strategy(run)
+    tiny_model(compiled_autograd=False).check_strategy(run)
 
 
 def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
