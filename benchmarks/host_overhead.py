@@ -87,7 +87,7 @@ def main() -> None:
     bh, bdh, warps = triton_route.kernel_launch("forward", D, HEADS)
 
     args = (table, S, S, S, u, out, lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
-    constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, LAZY=warps <= triton_route.LAZY_RESCALE_WARPS)
+    constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, LAZY=triton_route.lazy_rescale(warps))
 
     def bare_launch():
         triton_route._forward_kernel[(TOKENS,)](*args, **constexprs, num_warps=warps)

@@ -432,6 +432,11 @@ def kernel_launch(kernel: str, d: int, heads: int) -> tuple[int, int, int]:
     return launch_shape(d, heads, ROW_ELEMS_PER_THREAD, MIN_WARPS[kernel], interpreted(), ONE_WARP_TILE[kernel])
 
 
+def lazy_rescale(warps: int) -> bool:
+    """Whether a forward launch of `warps` warps rescales its mix lazily (its `LAZY` constexpr)."""
+    return warps <= LAZY_RESCALE_WARPS
+
+
 def _check_queries(u: Tensor, counts: Sequence[int], n_sources: int) -> tuple[int, int, int]:
     """The number of queries and the sources each reads (`counts`: leading sources per query, all if empty)."""
     n_queries = u.shape[0]
@@ -484,7 +489,7 @@ def route_forward(
             table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
             eps,
             BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries,
-            LAZY=warps <= LAZY_RESCALE_WARPS, num_warps=warps,
+            LAZY=lazy_rescale(warps), num_warps=warps,
         )  # fmt: skip
     return out, lse, rms
 

@@ -288,7 +288,7 @@ for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1,
     bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
     consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
     if fn is tr._forward_kernel:
-        consts["LAZY"] = warps <= tr.LAZY_RESCALE_WARPS
+        consts["LAZY"] = tr.lazy_rescale(warps)
     sig = {n: "constexpr" if n in consts else kind(n) for n in fn.arg_names}
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
