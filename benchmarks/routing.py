@@ -8,10 +8,12 @@ the backward launcher alone (its two kernels and host work).
     python benchmarks/routing.py [--tokens 16384] [--out results.json]
     python benchmarks/routing.py --apply-rows 32 --elems 8,16,32   # device time per kernel and launch shape
     python benchmarks/routing.py --merge-norm   # a merged read and its pre-norm, with the fused backward and without
+    python benchmarks/routing.py --compare old/triton_route.py   # the installed kernels against other versions
 """
 
 import argparse
 import functools
+import importlib.util
 import itertools
 import json
 
@@ -86,6 +88,7 @@ MODEL_SHAPES = (  # (label, tokens, d, sources, queries): routing calls of the t
     ("350m block", 16384, 1024, 5, 2),
     ("350m block", 16384, 1024, 9, 2),
     ("350m full", 16384, 1024, 25, 2),
+    ("350m full", 16384, 1024, 49, 2),
     ("1b block", 8192, 2048, 5, 2),
     ("1b block", 8192, 2048, 9, 2),
     ("1b full", 8192, 2048, 17, 2),
@@ -129,6 +132,43 @@ def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
     triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults[:2]
     triton_route.MIN_WARPS.update(defaults[2])
     triton_route.ONE_WARP_TILE.update(one_warp)
+
+
+def load_kernels(path: str):
+    """A version of `triton_route.py` loaded from `path` as a module of its own, so its kernels compile apart."""
+    spec = importlib.util.spec_from_file_location(f"triton_route_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_kernels(paths: list[str], bw: float) -> None:
+    """Device time of each kernel of the installed `triton_route` and of the versions at `paths`, at MODEL_SHAPES and
+    in one process (an A/B that neither the host nor another machine can tilt), with the fraction of its byte floor
+    and the largest difference of every output and gradient from the installed version's, relative to its maximum."""
+    versions = {"installed": triton_route} | {path: load_kernels(path) for path in paths}
+    for label, tokens, d, S, queries in MODEL_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        sources = [torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(S)]
+        u = 0.1 * torch.randn(queries, d, device="cuda", generator=gen)
+        go = torch.randn(queries, tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        glse = 0.1 * torch.randn(queries, tokens, 8, device="cuda", generator=gen)
+        counts = (S, S - 1)[:queries]
+        floors = kernel_floors(tokens, d, S, queries, bw)
+        reference_outputs = None
+        for name, kernels in versions.items():
+            out, lse, rms = kernels.route_forward(sources, u, 8, 1e-6, counts)
+            grads, du = kernels.route_backward(go, glse, lse, rms, sources, u, 8, counts)
+            outputs = [out, lse, *grads, du.sum(0)]
+            if reference_outputs is None:
+                reference_outputs = outputs
+            diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                       for a, b in zip(outputs, reference_outputs))  # fmt: skip
+            times = kernel_times(lambda: kernels.route_forward(sources, u, 8, 1e-6, counts))
+            times |= kernel_times(lambda: kernels.route_backward(go, glse, lse, rms, sources, u, 8, counts))
+            each = "  ".join(f"{k.strip('_')} {v:.4f} ({floors[k] / v:.2f})" for k, v in times.items() if k in floors)
+            print(f"{label} S={S} Q={queries} {name}: {each}  largest difference {diff:.1e}", flush=True)
+        torch.cuda.empty_cache()
 
 
 def bench_merge_norm(bw: float) -> None:
@@ -177,6 +217,7 @@ def main() -> None:
     parser.add_argument("--apply-rows", default=None, help="only time each kernel per launch shape, e.g. 16,32,64")
     parser.add_argument("--elems", default="8,16,32", help="row-tile elements per thread to sweep with --apply-rows")
     parser.add_argument("--merge-norm", action="store_true", help="only time a merged read and its pre-norm")
+    parser.add_argument("--compare", default=None, help="only time the kernels against these triton_route.py files")
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -185,6 +226,8 @@ def main() -> None:
         return sweep_kernel_shapes(args.apply_rows, args.elems, bw)
     if args.merge_norm:
         return bench_merge_norm(bw)
+    if args.compare:
+        return compare_kernels(args.compare.split(","), bw)
     compiled_ref = torch.compile(reference.depth_route, dynamic=False)
     rows = []
     for d in (1024, 2048):
