@@ -40,6 +40,7 @@ def _patch_language_once_per_launch() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Inductor's on-disk cache does not key on a custom op's fake implementation, so a stale entry could hide a change.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache = tempfile.mkdtemp(prefix="mhar-inductor-")
