@@ -236,12 +236,12 @@ def _backward_stats_kernel(
         lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     delta0 = tl.zeros([BH], tl.float32)
     delta1, total0, total1 = delta0, delta0, delta0
-    k = tl.arange(0, 4 * Q)[None, :]
+    k = tl.arange(0, 4 * Q)[None, :]  # y and t below are a source's z and s (the second loop's z0 and p0 are tiles)
     y0, t0, y1, t1, delta0, delta1, total0, total1 = _stats_values(
         _value(x32, x16, K0), rx, u0, u1, go0, go1, lse0, lse1, delta0, delta1, total0, total1, True, True, Q
     )
     zs = _zs_tile(k, tl.zeros([BH, 4 * Q], tl.float32), 0, y0, t0, y1, t1, Q)
-    slot = row * S * 2 * Q * H + (k % (2 * Q)) * H + h[:, None]  # column k of source n + k // 2Q's tile
+    slot = row * S * 2 * Q * H + (k % (2 * Q)) * H + h[:, None]  # source 0's slot: columns k < 2Q
     tl.store(p_ptr + slot, zs, mask=hmask[:, None] & (k < 2 * Q))
     for n in range(1, S, 2):  # sources n and n + 1 (when n + 1 < S) leave in one store
         c32, c16 = _issue(table, tl.minimum(n + 2, S - 1), n + 2 < S, i0, i1, cols, mask, KR, ALIGN)
@@ -256,7 +256,7 @@ def _backward_stats_kernel(
             n + 1 < S0, n + 1 < S1, Q,
         )  # fmt: skip
         zs = _zs_tile(k, zs, 2 * Q, y0, t0, y1, t1, Q)
-        slot = (row * S + n) * 2 * Q * H + (k // (2 * Q)) * 2 * Q * H + (k % (2 * Q)) * H + h[:, None]
+        slot = (row * S + n) * 2 * Q * H + (k // (2 * Q)) * 2 * Q * H + (k % (2 * Q)) * H + h[:, None]  # n + k // 2Q's
         tl.store(p_ptr + slot, zs, mask=hmask[:, None] & (k < tl.where(n + 1 < S, 4 * Q, 2 * Q)))
         a32, a16, b32, b16, ra, rb = c32, c16, d32, d16, rc, rd
     scale0 = 1.0 / total0  # p renormalised to sum to 1, whatever the forward's rounding of lse and of r
