@@ -48,6 +48,8 @@ def test_registry_names_and_errors():
     assert make_residual("mhar", heads=4, blocks=2).blocks == 2
     with pytest.raises(ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"):
         make_residual("mhra")
+    with pytest.raises(ValueError, match=r"^residual \{'heads': 3\} names no strategy; give arguments with its class"):
+        make_residual({"heads": 3})  # what `--model.residual mhar --model.residual.init_args.heads 3` passes
     with pytest.raises(ValueError, match="blocks must be >= 1"):
         MHAR(blocks=0)
     with pytest.raises(ValueError, match="blocks=9 exceeds the 8 sublayers"):

@@ -118,6 +118,11 @@ def make_residual(spec: "str | Residual | Mapping[str, Any]", **kwargs) -> Resid
             raise ValueError("pass arguments either to the Residual instance or with a name, not both")
         return spec
     if isinstance(spec, Mapping):
+        if "class_path" not in spec:  # e.g. `--model.residual mhar --model.residual.init_args.heads 4` lost the name
+            raise ValueError(
+                f"residual {dict(spec)} names no strategy; give arguments with its class, e.g. "
+                "residual: {class_path: mhar_lightning.residual.MHAR, init_args: {heads: 4}}"
+            )
         module, _, name = spec["class_path"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         if not (isinstance(cls, type) and issubclass(cls, Residual)):
