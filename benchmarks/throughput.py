@@ -27,6 +27,10 @@ steps: the same code has issued a step in 56 ms on one machine and 97 ms on anot
 `--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
 each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
 between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
+
+Each run has a fresh Python process, as a training job does: in one process, 350m delta-MHAR issued its steps in
+121 ms after full MHAR had run, and in 54 ms first, with every phase (the optimizer's too) about 2.3x slower
+(benchmarks/RESULTS.md, v22). `--one-process` runs them all in this one, as before.
 """
 
 import argparse
@@ -37,6 +41,9 @@ import json
 import os
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -246,6 +253,19 @@ def inductor_option(item: str, parser: argparse.ArgumentParser) -> tuple[str, ob
         return key, text
 
 
+def run_in_child(args: argparse.Namespace, preset: str, precision: str, variant: str) -> dict:
+    """`run` in a fresh Python process (this script with `--child`), so no earlier run's state slows it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--presets", preset, "--precisions", precision, "--variants", variant]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--child", str(out)]
+        cmd += ["--profile"] * args.profile + ["--compiled-autograd"] * args.compiled_autograd
+        for item in args.inductor:
+            cmd += ["--inductor", item]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="100m,350m,1b")
@@ -261,6 +281,8 @@ def main() -> None:
         action="store_true",
         help="capture each backward whole (torch's compiled autograd), for every variant of the run",
     )
+    parser.add_argument("--one-process", action="store_true", help="run every variant in this process")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run; its row goes to this file
     parser.add_argument(
         "--inductor",
         action="append",
@@ -279,31 +301,40 @@ def main() -> None:
     unknown = set(precisions) - {"autocast", "fsdp-bf16"}
     if unknown:
         parser.error(f"unknown precision {sorted(unknown)}: use autocast and/or fsdp-bf16")
-    if "fsdp-bf16" in precisions:
+    in_process = args.one_process or args.child is not None
+    if in_process and "fsdp-bf16" in precisions:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("nccl", rank=0, world_size=1)
     allow_recompiles()
     torch.backends.cuda.matmul.allow_tf32 = True
-    print(
-        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-        f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
-        flush=True,
-    )
-    rows = []
+    if args.child is None:
+        print(
+            f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+            f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
+            flush=True,
+        )
+    rows, settings = [], (args.steps, args.warmup, args.profile, args.compiled_autograd, inductor)
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
-        row = run(preset, variant, precision, args.steps, args.warmup, args.profile, args.compiled_autograd, inductor)
+        if in_process:
+            row = run(preset, variant, precision, *settings)
+            gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        else:
+            row = run_in_child(args, preset, precision, variant)
         row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd, "inductor": inductor}
-        gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
         rows.append(row)
+        if args.child is not None:
+            Path(args.child).write_text(json.dumps(row))
+            continue
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
-    print_summary(rows)
+    if args.child is None:
+        print_summary(rows)
     if dist.is_initialized():
         dist.destroy_process_group()
 
