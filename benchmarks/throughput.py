@@ -302,12 +302,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown precision {sorted(unknown)}: use autocast and/or fsdp-bf16")
     in_process = args.one_process or args.child is not None
-    if in_process and "fsdp-bf16" in precisions:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    allow_recompiles()
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if in_process:  # the process that builds and compiles the models
+        if "fsdp-bf16" in precisions:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group("nccl", rank=0, world_size=1)
+        allow_recompiles()
+        torch.backends.cuda.matmul.allow_tf32 = True
     if args.child is None:
         print(
             f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
