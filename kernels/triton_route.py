@@ -37,7 +37,7 @@ def _issue(table, n, ok, i0, i1, cols, mask, KIND: tl.constexpr, ALIGN: tl.const
     """Start loading row (i0, i1) of source n as stored; `_value` turns the pair into fp32 where it is used,
     so the loads stay in flight until then. KIND (per launch, from the dtype tags): 0 every such source
     is fp32, 1 bf16, 2 either (two masked loads, chosen by the source's tag)."""
-    entry = table + 5 * n
+    entry = table + 6 * n
     off = i0 * tl.load(entry + 1) + i1 * tl.load(entry + 2)
     if ALIGN:
         off = tl.multiple_of(off, 8)
@@ -74,9 +74,9 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 
     A branch rather than two masked stores: the fp32 store may need its own register layout, and
     the branch not taken costs nothing."""
-    base = tl.load(table + 5 * n + 4)
+    base = tl.load(table + 6 * n + 4)
     off = row * D
-    if tl.load(table + 5 * n + 3) == 0:
+    if tl.load(table + 6 * n + 3) == 0:
         tl.store(_ptr(base, tl.float32, ALIGN) + off + cols, x, mask=mask)
     else:
         tl.store(_ptr(base, tl.bfloat16, ALIGN) + off + cols, x.to(tl.bfloat16), mask=mask)
@@ -292,14 +292,14 @@ def _backward_stats_kernel(
 
 @triton.jit
 def _apply_rows(
-    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
     BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
-    one per query."""
+    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND), or only sum them when `summed` (a
+    [d] source shared by every token); return their sums of q v_n, one per query, and of dv_n."""
     hmask = h < H
     du0 = tl.zeros([BH, BDH], tl.float32)
-    du1 = du0
+    du1, dv_sum = du0, du0
     for i in range(count):
         row = first + i
         at = (row * S + n) * 2 * Q * H + h
@@ -313,11 +313,14 @@ def _apply_rows(
         c = tl.load(c_ptr + row * S + n)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
         x = _value(x32, x16, KIND)
-        _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
+        if summed:
+            dv_sum += g + c * x
+        else:
+            _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
         du0 += q0 * x
         if Q == 2:
             du1 += q1 * x
-    return du0, du1
+    return du0, du1, dv_sum
 
 
 @triton.jit
@@ -326,7 +329,8 @@ def _backward_apply_kernel(
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
-    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller).
+    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller). A [d] source shared by
+    every token (`summed` in the table) gets the sum of dv_n over the BR rows instead, in fp32.
 
     Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
     without gathers and addresses are computed once per 16-byte vector.
@@ -335,20 +339,24 @@ def _backward_apply_kernel(
     first = (tl.program_id(0) // S).to(tl.int64) * BR
     count = tl.minimum(M - first, BR)
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
+    summed = tl.load(table + 6 * n + 5) != 0
     if n == 0:  # uniform per program: each branch loads with its own kind
-        du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+        du0, du1, dv_sum = _apply_rows(
+            table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, K0, ALIGN, Q,
         )  # fmt: skip
     else:
-        du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+        du0, du1, dv_sum = _apply_rows(
+            table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, KR, ALIGN, Q,
         )  # fmt: skip
     at = tl.program_id(0).to(tl.int64) * Q * D + cols
     tl.store(du_ptr + at, du0, mask=mask)
     if Q == 2:
         tl.store(du_ptr + at + D, du1, mask=mask)
+    if summed:
+        dv_ptr = _ptr(tl.load(table + 6 * n + 4), tl.float32, ALIGN)
+        tl.store(dv_ptr + (tl.program_id(0) // S).to(tl.int64) * D + cols, dv_sum, mask=mask)
 
 
 MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
@@ -368,14 +376,23 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def lead_shape(sources: Sequence[Tensor]) -> torch.Size:
+    """The leading shape of a route's rows: that of its first source of more than one dimension (sources are
+    [..., d] of that shape, or [d] rows shared by every token)."""
+    return next((v.shape[:-1] for v in sources if v.dim() > 1), torch.Size())
+
+
 def _rows(v: Tensor, lead: torch.Size) -> tuple[Tensor, int, int]:
-    """A [outer, inner, d] view of `v` (rows addressed by two strides, stride 0 allowed); copies only if
-    no such view exists or the dtype is neither fp32 nor bf16."""
+    """A [outer, inner, d] view of `v` (rows addressed by two strides, stride 0 allowed; a [d] source is read as
+    every row); copies only if no such view exists or the dtype is neither fp32 nor bf16."""
+    inner = lead[-1] if len(lead) else 1
+    if v.dim() == 1:
+        v = (v if v.dtype in _TAGS else v.float()).contiguous()
+        return v.expand(lead.numel() // max(inner, 1), inner, v.shape[0]), 0, 0
     if v.dim() == 3 and v.stride(-1) == 1 and v.dtype in _TAGS:  # [B, T, d]: the common case, as is
         return v, v.stride(0), v.stride(1)
     if v.dtype not in _TAGS:
         v = v.float()
-    inner = lead[-1] if len(lead) else 1
     outer = v.numel() // max(v.shape[-1] * inner, 1)
     if v.stride(-1) != 1:
         v = v.contiguous()
@@ -393,7 +410,8 @@ _TABLES_MAX = 4096
 def _table(
     sources: Sequence[Tensor], lead: torch.Size, grads: Sequence[Tensor] = ()
 ) -> tuple[Tensor, list[Tensor], bool, int, int]:
-    """The int64 [S, 5] table (address, stride0, stride1, dtype tag, gradient address) of the sources.
+    """The int64 [S, 6] table (address, stride0, stride1, dtype tag, gradient address, 1 if the gradient is summed
+    over rows: a [d] source) of the sources.
 
     Returns it with the views it points into (kept alive until launch), whether every address and
     row offset is 16-byte aligned, and the load kinds of source 0 and of the others (see `_issue`).
@@ -411,16 +429,16 @@ def _table(
     for n, v in enumerate(sources):
         v2, s0, s1 = _rows(v, lead)
         views.append(v2)
-        entries += (v2.data_ptr(), s0, s1, _TAGS[v2.dtype], grads[n].data_ptr() if grads else 0)
+        entries += (v2.data_ptr(), s0, s1, _TAGS[v2.dtype], grads[n].data_ptr() if grads else 0, int(v.dim() == 1))
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0  # cheap: no Stream object
     key = (device, stream, views[0].shape[-1], *entries)
     if key not in _TABLES:
         if len(_TABLES) >= _TABLES_MAX:
             _TABLES.clear()
         aligned = key[2] % 8 == 0 and all(
-            x % (16 if k in (0, 4) else 8) == 0 for i, x in enumerate(entries) if (k := i % 5) != 3
+            x % (16 if k in (0, 4) else 8) == 0 for i, x in enumerate(entries) if (k := i % 6) in (0, 1, 2, 4)
         )
-        tags = set(entries[8::5]) or {entries[3]}
+        tags = set(entries[9::6]) or {entries[3]}
         table = torch.tensor(entries, dtype=torch.int64, pin_memory=device.type == "cuda")
         _TABLES[key] = table.to(device, non_blocking=True), aligned, entries[3], tags.pop() if len(tags) == 1 else 2
     table, aligned, k0, kr = _TABLES[key]
@@ -487,7 +505,7 @@ def route_forward(
     [Q, ..., heads] in fp32 and the sources' inverse RMS [rows, S] in fp32 (for `route_backward`). `out`, `lse`
     and `rms` may be given as destination buffers.
     """
-    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    lead, d = lead_shape(sources), sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
@@ -521,22 +539,28 @@ def route_backward(
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
     and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
-    `route_forward`): one per source (its dtype, contiguous, summed over the queries) and the partial sums of
-    du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
+    `route_forward`): one per source (its dtype, contiguous, summed over the queries; a [d] source's summed over
+    the rows too, from per-block sums in fp32) and the partial sums of du = dL/d(query * norm_weight),
+    [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du). `grads` gives the buffers the gradient kernel
+    writes (for a [d] source its [du_blocks(rows, 1), d] fp32 block sums).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
     is reduced deterministically, without atomics.
     """
-    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
+    lead, d = lead_shape(sources), sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
-    if grads is None:
-        dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
-        grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
     rows, S, dh = lead.numel(), len(sources), d // heads
+    if grads is None:
+        grads = [
+            torch.empty(*lead, d, dtype=v.dtype if v.dtype in _TAGS else torch.float32, device=u.device)
+            if v.dim() > 1
+            else torch.empty(du_blocks(rows, 1), d, dtype=torch.float32, device=u.device)
+            for v in sources
+        ]
     du = torch.empty(du_blocks(rows, S), n_queries, d, dtype=torch.float32, device=u.device)
     if rows == 0:
-        return list(grads), du
+        return [g.sum(0) if v.dim() == 1 else g for g, v in zip(grads, sources, strict=True)], du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
@@ -555,4 +579,4 @@ def route_backward(
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
     )  # fmt: skip
-    return list(grads), du
+    return [g.sum(0) if v.dim() == 1 else g for g, v in zip(grads, sources, strict=True)], du
