@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
 from torch.distributed.device_mesh import init_device_mesh
 
 from mhar_lightning.config import ModelConfig
@@ -80,11 +81,12 @@ def allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, 1 << 16)
 
 
-def profile(step, label: str) -> float:
+def profile(step, label: str) -> list[tuple[str, int, float]]:
     """Print the GPU time of one step per kernel and its host time per op (top 25 each), to see where a strategy
     spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
 
-    Returns the summed kernel time in seconds: well below the timed step means the GPU waited on the host.
+    Returns every kernel as (name, calls, device ms), longest first; their sum well below the timed step means
+    the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time.
     """
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -94,7 +96,8 @@ def profile(step, label: str) -> float:
     for sort_by in ("self_device_time_total", "self_cpu_time_total"):
         table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
         print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
-    return sum(e.self_device_time_total for e in averages) * 1e-6
+    kernels = [(e.key, e.count, e.self_device_time_total * 1e-3) for e in averages if e.device_type == DeviceType.CUDA]
+    return sorted(kernels, key=lambda k: -k[2])
 
 
 def host_facts() -> dict:
@@ -191,7 +194,7 @@ def run(
         times.append(clock.events[0].elapsed_time(clock.events[-1]) * 1e-3)
         phases.append(clock.phases())
     peak = torch.cuda.max_memory_allocated()
-    kernel_s = profile(step, f"{preset} {variant} {precision}") if with_profile else None
+    kernels = profile(step, f"{preset} {variant} {precision}") if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
     row = {
         "preset": preset,
@@ -212,8 +215,9 @@ def run(
             for side in ("host", "gpu")
         },
     }
-    if kernel_s is not None:
-        row["gpu_busy"] = kernel_s / row["step_s"]  # of a timed step, the fraction the kernels account for
+    if kernels is not None:
+        row["gpu_busy"] = sum(k[2] for k in kernels) * 1e-3 / row["step_s"]  # of a timed step, the kernels' share
+        row["kernels"] = kernels
     return row
 
 
@@ -274,7 +278,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--profile", action="store_true", help="print each variant's GPU time per kernel")
+    parser.add_argument(
+        "--profile", action="store_true", help="print each variant's GPU time per kernel (all kernels go to --out)"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times")
     parser.add_argument(
         "--compiled-autograd",
