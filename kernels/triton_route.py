@@ -37,7 +37,7 @@ def _issue(table, n, ok, i0, i1, cols, mask, KIND: tl.constexpr, ALIGN: tl.const
     """Start loading row (i0, i1) of source n as stored; `_value` turns the pair into fp32 where it is used,
     so the loads stay in flight until then. KIND (per launch, from the dtype tags): 0 every such source
     is fp32, 1 bf16, 2 either (two masked loads, chosen by the source's tag)."""
-    entry = table + 6 * n
+    entry = table + 5 * n
     off = i0 * tl.load(entry + 1) + i1 * tl.load(entry + 2)
     if ALIGN:
         off = tl.multiple_of(off, 8)
@@ -74,9 +74,9 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 
     A branch rather than two masked stores: the fp32 store may need its own register layout, and
     the branch not taken costs nothing."""
-    base = tl.load(table + 6 * n + 4)
+    base = tl.load(table + 5 * n + 4)
     off = row * D
-    if tl.load(table + 6 * n + 3) == 0:
+    if tl.load(table + 5 * n + 3) == 0:
         tl.store(_ptr(base, tl.float32, ALIGN) + off + cols, x, mask=mask)
     else:
         tl.store(_ptr(base, tl.bfloat16, ALIGN) + off + cols, x.to(tl.bfloat16), mask=mask)
@@ -292,14 +292,14 @@ def _backward_stats_kernel(
 
 @triton.jit
 def _apply_rows(
-    table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
     BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
-    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND), or only sum them when `summed` (a
-    [d] source shared by every token); return their sums of q v_n, one per query, and of dv_n."""
+    """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
+    one per query."""
     hmask = h < H
     du0 = tl.zeros([BH, BDH], tl.float32)
-    du1, dv_sum = du0, du0
+    du1 = du0
     for i in range(count):
         row = first + i
         at = (row * S + n) * 2 * Q * H + h
@@ -313,24 +313,54 @@ def _apply_rows(
         c = tl.load(c_ptr + row * S + n)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
         x = _value(x32, x16, KIND)
-        if summed:
-            dv_sum += g + c * x
-        else:
-            _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
+        _store(table, n, row, D, cols, mask, g + c * x, ALIGN)
         du0 += q0 * x
         if Q == 2:
             du1 += q1 * x
-    return du0, du1, dv_sum
+    return du0, du1
+
+
+@triton.jit
+def _sum_rows(
+    table, S, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, D, H,
+    BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
+):  # fmt: skip
+    """For source 0 as one row x read by every token (a [d] source): the sum of dv_0 over rows first ..
+    first + count - 1 and their sums of q x, one per query. x and u are the same in every row, so the loop
+    sums only p go and the scalars q and c."""
+    hmask = h < H
+    pgo = tl.zeros([BH, BDH], tl.float32)
+    q0 = tl.zeros([BH], tl.float32)
+    q1, c = q0, tl.zeros([], tl.float32)
+    for i in range(count):
+        row = first + i
+        at = row * S * 2 * Q * H + h
+        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        pgo += tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0
+        q0 += tl.load(q_ptr + at, mask=hmask, other=0.0)
+        if Q == 2:
+            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+            pgo += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1
+            q1 += tl.load(q_ptr + at + H, mask=hmask, other=0.0)
+        c += tl.load(c_ptr + row * S)
+    x32, x16 = _issue(table, 0, True, 0, 0, cols, mask, KIND, ALIGN)
+    x = _value(x32, x16, KIND)
+    dv = pgo + q0[:, None] * u0 + c * x
+    if Q == 2:
+        dv += q1[:, None] * u1
+    return q0[:, None] * x, q1[:, None] * x, dv
 
 
 @triton.jit
 def _backward_apply_kernel(
     table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
+    SUM0: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
-    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller). A [d] source shared by
-    every token (`summed` in the table) gets the sum of dv_n over the BR rows instead, in fp32.
+    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller). With SUM0, source 0 is
+    a [d] row read by every token (delta-MHAR's null), and its programs store their sum of dv_0 over the BR rows in
+    fp32 instead of BR rows.
 
     Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
     without gathers and addresses are computed once per 16-byte vector.
@@ -339,24 +369,27 @@ def _backward_apply_kernel(
     first = (tl.program_id(0) // S).to(tl.int64) * BR
     count = tl.minimum(M - first, BR)
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
-    summed = tl.load(table + 6 * n + 5) != 0
     if n == 0:  # uniform per program: each branch loads with its own kind
-        du0, du1, dv_sum = _apply_rows(
-            table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
-            BH, BDH, K0, ALIGN, Q,
-        )  # fmt: skip
+        if SUM0:
+            du0, du1, dv = _sum_rows(
+                table, S, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, D, H,
+                BH, BDH, K0, ALIGN, Q,
+            )  # fmt: skip
+            tl.store(_ptr(tl.load(table + 4), tl.float32, ALIGN) + first // BR * D + cols, dv, mask=mask)
+        else:
+            du0, du1 = _apply_rows(
+                table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+                BH, BDH, K0, ALIGN, Q,
+            )  # fmt: skip
     else:
-        du0, du1, dv_sum = _apply_rows(
-            table, S, n, summed, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, KR, ALIGN, Q,
         )  # fmt: skip
     at = tl.program_id(0).to(tl.int64) * Q * D + cols
     tl.store(du_ptr + at, du0, mask=mask)
     if Q == 2:
         tl.store(du_ptr + at + D, du1, mask=mask)
-    if summed:
-        dv_ptr = _ptr(tl.load(table + 6 * n + 4), tl.float32, ALIGN)
-        tl.store(dv_ptr + (tl.program_id(0) // S).to(tl.int64) * D + cols, dv_sum, mask=mask)
 
 
 MAX_QUERIES = 2  # queries per kernel call: the two sublayers of a transformer block
@@ -410,8 +443,7 @@ _TABLES_MAX = 4096
 def _table(
     sources: Sequence[Tensor], lead: torch.Size, grads: Sequence[Tensor] = ()
 ) -> tuple[Tensor, list[Tensor], bool, int, int]:
-    """The int64 [S, 6] table (address, stride0, stride1, dtype tag, gradient address, 1 if the gradient is summed
-    over rows: a [d] source) of the sources.
+    """The int64 [S, 5] table (address, stride0, stride1, dtype tag, gradient address) of the sources.
 
     Returns it with the views it points into (kept alive until launch), whether every address and
     row offset is 16-byte aligned, and the load kinds of source 0 and of the others (see `_issue`).
@@ -429,16 +461,16 @@ def _table(
     for n, v in enumerate(sources):
         v2, s0, s1 = _rows(v, lead)
         views.append(v2)
-        entries += (v2.data_ptr(), s0, s1, _TAGS[v2.dtype], grads[n].data_ptr() if grads else 0, int(v.dim() == 1))
+        entries += (v2.data_ptr(), s0, s1, _TAGS[v2.dtype], grads[n].data_ptr() if grads else 0)
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0  # cheap: no Stream object
     key = (device, stream, views[0].shape[-1], *entries)
     if key not in _TABLES:
         if len(_TABLES) >= _TABLES_MAX:
             _TABLES.clear()
         aligned = key[2] % 8 == 0 and all(
-            x % (16 if k in (0, 4) else 8) == 0 for i, x in enumerate(entries) if (k := i % 6) in (0, 1, 2, 4)
+            x % (16 if k in (0, 4) else 8) == 0 for i, x in enumerate(entries) if (k := i % 5) != 3
         )
-        tags = set(entries[9::6]) or {entries[3]}
+        tags = set(entries[8::5]) or {entries[3]}
         table = torch.tensor(entries, dtype=torch.int64, pin_memory=device.type == "cuda")
         _TABLES[key] = table.to(device, non_blocking=True), aligned, entries[3], tags.pop() if len(tags) == 1 else 2
     table, aligned, k0, kr = _TABLES[key]
@@ -539,10 +571,11 @@ def route_backward(
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
     and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
-    `route_forward`): one per source (its dtype, contiguous, summed over the queries; a [d] source's summed over
-    the rows too, from per-block sums in fp32) and the partial sums of du = dL/d(query * norm_weight),
-    [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du). `grads` gives the buffers the gradient kernel
-    writes (for a [d] source its [du_blocks(rows, 1), d] fp32 block sums).
+    `route_forward`): one per source (its dtype and shape, contiguous, summed over the queries; a [d] source's
+    summed over the rows too) and the partial sums of du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in
+    fp32 (their sum over dim 0 is du). `grads` gives the buffers the gradient kernel writes: [..., d] in the source's
+    dtype, but [du_blocks(rows, 1), d] fp32 block sums for a [d] source 0 (delta-MHAR's null, summed in the kernel,
+    where a [d] source elsewhere gets rows that are summed afterwards).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
@@ -551,16 +584,15 @@ def route_backward(
     lead, d = lead_shape(sources), sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     rows, S, dh = lead.numel(), len(sources), d // heads
+    sum0 = sources[0].dim() == 1
     if grads is None:
-        grads = [
-            torch.empty(*lead, d, dtype=v.dtype if v.dtype in _TAGS else torch.float32, device=u.device)
-            if v.dim() > 1
-            else torch.empty(du_blocks(rows, 1), d, dtype=torch.float32, device=u.device)
-            for v in sources
-        ]
+        dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
+        grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
+        if sum0:
+            grads[0] = torch.empty(du_blocks(rows, 1), d, dtype=torch.float32, device=u.device)
     du = torch.empty(du_blocks(rows, S), n_queries, d, dtype=torch.float32, device=u.device)
     if rows == 0:
-        return [g.sum(0) if v.dim() == 1 else g for g, v in zip(grads, sources, strict=True)], du
+        return _summed(grads, sources), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
@@ -577,6 +609,11 @@ def route_backward(
     warps = kernel_launch("apply", d, heads)[2]
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
-        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
+        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, SUM0=sum0, num_warps=warps,
     )  # fmt: skip
-    return [g.sum(0) if v.dim() == 1 else g for g, v in zip(grads, sources, strict=True)], du
+    return _summed(grads, sources), du
+
+
+def _summed(grads: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
+    """The gradient kernel's outputs with those of [d] sources summed over their rows (or block sums), in fp32."""
+    return [g.flatten(0, -2).sum(0, dtype=torch.float32) if v.dim() == 1 else g for g, v in zip(grads, sources)]

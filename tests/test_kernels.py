@@ -298,10 +298,11 @@ def kind(name):
         return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
-extra = {tr._forward_kernel: ("forward", {}),
-         tr._backward_stats_kernel: ("stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
-         tr._backward_apply_kernel: ("apply", {"BR": tr.APPLY_ROWS})}
-for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
+extra = [(tr._forward_kernel, "forward", {}),
+         (tr._backward_stats_kernel, "stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
+         (tr._backward_apply_kernel, "apply", {"BR": tr.APPLY_ROWS, "SUM0": False}),
+         (tr._backward_apply_kernel, "apply", {"BR": tr.APPLY_ROWS, "SUM0": True})]
+for (fn, kernel, more), q, (k0, kr), d in itertools.product(extra, (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
     bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
     consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
     if fn is tr._forward_kernel:
@@ -314,8 +315,8 @@ for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1,
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler rejects (a loop variable re-bound to a tensor, for one), so every
-    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps)
-    in a process without the interpreter."""
+    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps,
+    the gradient kernel with and without a [d] source 0) in a process without the interpreter."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True)
