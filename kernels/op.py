@@ -46,7 +46,7 @@ def _route(
 
 
 def _route_fake(sources, u, heads, eps, counts):
-    lead, n_queries = triton_route.lead_shape(sources), u.shape[0]
+    lead, n_queries = sources[0].shape[:-1], u.shape[0]
     out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
     lse = sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
     return out, lse, sources[0].new_empty((lead.numel(), len(sources)), dtype=torch.float32)
@@ -69,7 +69,7 @@ def _route_backward(
 
 
 def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
-    rows = triton_route.lead_shape(sources).numel()
+    rows = sources[0].shape[:-1].numel()
     du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
@@ -150,9 +150,8 @@ def depth_route_lse(
     `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
     same sources (outputs [Q, ..., d] and [Q, ..., heads]), two per pass over the sources; `counts` then
     gives the number of leading sources each query reads (default: all).
-    Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and in shape as
-    long as they broadcast: a [d] source (e.g. delta-MHAR's learned null) is read as every row and its gradient
-    summed over the rows in the kernel; other broadcasts are read as views through stride 0, never materialised.
+    Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
+    may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
     if len(sources) == 0:
         raise ValueError("depth routing needs at least one source")
@@ -161,8 +160,8 @@ def depth_route_lse(
     if any(v.shape[-1] != d for v in sources):
         raise ValueError(f"source widths {[v.shape[-1] for v in sources]} do not all match query width {d}")
     if any(v.shape != sources[0].shape for v in sources):
-        lead = torch.broadcast_shapes(*(v.shape for v in sources))
-        sources = [v if v.dim() == 1 or v.shape == lead else v.expand(lead) for v in sources]
+        lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
+        sources = [v.expand(*lead, d) for v in sources]
     u = (query.float() * norm_weight.float()).reshape(-1, d)
     counts = check_counts(counts, len(u), len(sources))
     routes = []

@@ -29,8 +29,7 @@ def check_counts(counts: Sequence[int] | None, n_queries: int, n_sources: int) -
 def depth_logits(
     sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6
 ) -> Tensor:
-    """Per-head routing logits, shaped [..., heads, len(sources)], in fp32 (fp64 for fp64 sources); the sources'
-    leading shapes broadcast (a [d] source is one row shared by every token).
+    """Per-head routing logits, shaped [..., heads, len(sources)], in fp32 (fp64 for fp64 sources).
 
     The RMS is taken over the full width in fp32 without an fp32 copy of the source, so autograd
     keeps only a reference to each source.
@@ -48,7 +47,7 @@ def depth_logits(
     for v in sources:
         rms = torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=stat_dtype) * d**-0.5
         logits.append((v.unflatten(-1, (heads, d // heads)) * u).sum(-1) * torch.rsqrt(rms.square() + eps))
-    return torch.stack(torch.broadcast_tensors(*logits), dim=-1)
+    return torch.stack(logits, dim=-1)
 
 
 def depth_weights(

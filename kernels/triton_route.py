@@ -321,46 +321,12 @@ def _apply_rows(
 
 
 @triton.jit
-def _sum_rows(
-    table, S, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, D, H,
-    BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
-):  # fmt: skip
-    """For source 0 as one row x read by every token (a [d] source): the sum of dv_0 over rows first ..
-    first + count - 1 and their sums of q x, one per query. x and u are the same in every row, so the loop
-    sums only p go and the scalars q and c."""
-    hmask = h < H
-    pgo = tl.zeros([BH, BDH], tl.float32)
-    q0 = tl.zeros([BH], tl.float32)
-    q1, c = q0, tl.zeros([], tl.float32)
-    for i in range(count):
-        row = first + i
-        at = row * S * 2 * Q * H + h
-        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        pgo += tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0
-        q0 += tl.load(q_ptr + at, mask=hmask, other=0.0)
-        if Q == 2:
-            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
-            pgo += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1
-            q1 += tl.load(q_ptr + at + H, mask=hmask, other=0.0)
-        c += tl.load(c_ptr + row * S)
-    x32, x16 = _issue(table, 0, True, 0, 0, cols, mask, KIND, ALIGN)
-    x = _value(x32, x16, KIND)
-    dv = pgo + q0[:, None] * u0 + c * x
-    if Q == 2:
-        dv += q1[:, None] * u1
-    return q0[:, None] * x, q1[:, None] * x, dv
-
-
-@triton.jit
 def _backward_apply_kernel(
     table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
-    SUM0: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
-    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller). With SUM0, source 0 is
-    a [d] row read by every token (delta-MHAR's null), and its programs store their sum of dv_0 over the BR rows in
-    fp32 instead of BR rows.
+    sums of du_k = sum over rows of q[n, k, h] v_n (reduced over row blocks by the caller).
 
     Rows are [heads, head size] tiles as in the forward, so the per-head coefficients broadcast
     without gathers and addresses are computed once per 16-byte vector.
@@ -370,17 +336,10 @@ def _backward_apply_kernel(
     count = tl.minimum(M - first, BR)
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     if n == 0:  # uniform per program: each branch loads with its own kind
-        if SUM0:
-            du0, du1, dv = _sum_rows(
-                table, S, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, D, H,
-                BH, BDH, K0, ALIGN, Q,
-            )  # fmt: skip
-            tl.store(_ptr(tl.load(table + 4), tl.float32, ALIGN) + first // BR * D + cols, dv, mask=mask)
-        else:
-            du0, du1 = _apply_rows(
-                table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
-                BH, BDH, K0, ALIGN, Q,
-            )  # fmt: skip
+        du0, du1 = _apply_rows(
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            BH, BDH, K0, ALIGN, Q,
+        )  # fmt: skip
     else:
         du0, du1 = _apply_rows(
             table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
@@ -409,23 +368,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def lead_shape(sources: Sequence[Tensor]) -> torch.Size:
-    """The leading shape of a route's rows: that of its first source of more than one dimension (sources are
-    [..., d] of that shape, or [d] rows shared by every token)."""
-    return next((v.shape[:-1] for v in sources if v.dim() > 1), torch.Size())
-
-
 def _rows(v: Tensor, lead: torch.Size) -> tuple[Tensor, int, int]:
-    """A [outer, inner, d] view of `v` (rows addressed by two strides, stride 0 allowed; a [d] source is read as
-    every row); copies only if no such view exists or the dtype is neither fp32 nor bf16."""
-    inner = lead[-1] if len(lead) else 1
-    if v.dim() == 1:
-        v = (v if v.dtype in _TAGS else v.float()).contiguous()
-        return v.expand(lead.numel() // max(inner, 1), inner, v.shape[0]), 0, 0
+    """A [outer, inner, d] view of `v` (rows addressed by two strides, stride 0 allowed); copies only if
+    no such view exists or the dtype is neither fp32 nor bf16."""
     if v.dim() == 3 and v.stride(-1) == 1 and v.dtype in _TAGS:  # [B, T, d]: the common case, as is
         return v, v.stride(0), v.stride(1)
     if v.dtype not in _TAGS:
         v = v.float()
+    inner = lead[-1] if len(lead) else 1
     outer = v.numel() // max(v.shape[-1] * inner, 1)
     if v.stride(-1) != 1:
         v = v.contiguous()
@@ -537,7 +487,7 @@ def route_forward(
     [Q, ..., heads] in fp32 and the sources' inverse RMS [rows, S] in fp32 (for `route_backward`). `out`, `lse`
     and `rms` may be given as destination buffers.
     """
-    lead, d = lead_shape(sources), sources[0].shape[-1]
+    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
@@ -571,28 +521,22 @@ def route_backward(
 ) -> tuple[list[Tensor], Tensor]:
     """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
     and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
-    `route_forward`): one per source (its dtype and shape, contiguous, summed over the queries; a [d] source's
-    summed over the rows too) and the partial sums of du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in
-    fp32 (their sum over dim 0 is du). `grads` gives the buffers the gradient kernel writes: [..., d] in the source's
-    dtype, but [du_blocks(rows, 1), d] fp32 block sums for a [d] source 0 (delta-MHAR's null, summed in the kernel,
-    where a [d] source elsewhere gets rows that are summed afterwards).
+    `route_forward`): one per source (its dtype, contiguous, summed over the queries) and the partial sums of
+    du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
 
     Two kernels: per-row coefficients (one program per row, reading every source once), then one program
     per (block of rows, source) writing that source's gradient and its block's partial sum of du, so du
     is reduced deterministically, without atomics.
     """
-    lead, d = lead_shape(sources), sources[0].shape[-1]
+    lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
-    rows, S, dh = lead.numel(), len(sources), d // heads
-    sum0 = sources[0].dim() == 1
     if grads is None:
         dtypes = [v.dtype if v.dtype in _TAGS else torch.float32 for v in sources]
         grads = [torch.empty(*lead, d, dtype=dt, device=u.device) for dt in dtypes]
-        if sum0:
-            grads[0] = torch.empty(du_blocks(rows, 1), d, dtype=torch.float32, device=u.device)
+    rows, S, dh = lead.numel(), len(sources), d // heads
     du = torch.empty(du_blocks(rows, S), n_queries, d, dtype=torch.float32, device=u.device)
     if rows == 0:
-        return _summed(grads, sources), du
+        return list(grads), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
     grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
@@ -609,11 +553,6 @@ def route_backward(
     warps = kernel_launch("apply", d, heads)[2]
     _backward_apply_kernel[(du.shape[0],)](
         table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
-        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, SUM0=sum0, num_warps=warps,
+        BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
     )  # fmt: skip
-    return _summed(grads, sources), du
-
-
-def _summed(grads: Sequence[Tensor], sources: Sequence[Tensor]) -> list[Tensor]:
-    """The gradient kernel's outputs with those of [d] sources summed over their rows (or block sums), in fp32."""
-    return [g.flatten(0, -2).sum(0, dtype=torch.float32) if v.dim() == 1 else g for g, v in zip(grads, sources)]
+    return list(grads), du

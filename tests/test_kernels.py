@@ -208,17 +208,6 @@ def test_mixed_dtypes_broadcast_and_strided_sources():
     check_against_reference(fp32_only, query, gain, grad_out, heads, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("queries", [None, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_sources_get_their_gradient_summed_over_rows(queries, dtype):
-    """[d] sources (delta-MHAR's null) are one row for every token: their gradients, summed over the 75 rows by the
-    gradient kernel in blocks of APPLY_ROWS (the last one partial), match fp64, at source 0 and in the middle."""
-    sources, query, gain, grad_out = make(4, 24, (5, 15), [dtype] * 4, seed=11, queries=queries)
-    gen = torch.Generator().manual_seed(12)
-    null, row = (torch.randn(24, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    check_against_reference([null, *sources[:2], row, *sources[2:]], query, gain, grad_out, 4, TOL[dtype])
-
-
 def test_more_leading_dims_and_other_dtypes():
     """4-D sources (one sliced, so no [rows, d] view exists) and an fp16 source (read through an fp32 copy)."""
     d, heads = 16, 2
@@ -240,12 +229,6 @@ def test_outputs_fully_overwritten():
     grads = [torch.full_like(v, float("nan")) for v in sources]
     triton_route.route_backward(grad_out, None, lse, rms, sources, u, heads, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
-    with_row = [torch.randn(d, device=DEVICE), *sources]  # a [d] source: its gradient kernel writes block sums
-    _, lse, rms = triton_route.route_forward(with_row, u, heads, 1e-6)
-    grads = [torch.full((triton_route.du_blocks(6, 1), d), float("nan"), device=DEVICE)]
-    grads += [torch.full_like(v, float("nan")) for v in sources]
-    summed, _ = triton_route.route_backward(grad_out, None, lse, rms, with_row, u, heads, grads=grads)
-    assert summed[0].shape == (d,) and all(torch.isfinite(g).all() for g in grads)
 
 
 def test_backward_tolerates_rounding_of_forward_statistics():
@@ -298,11 +281,10 @@ def kind(name):
         return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
-extra = [(tr._forward_kernel, "forward", {}),
-         (tr._backward_stats_kernel, "stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
-         (tr._backward_apply_kernel, "apply", {"BR": tr.APPLY_ROWS, "SUM0": False}),
-         (tr._backward_apply_kernel, "apply", {"BR": tr.APPLY_ROWS, "SUM0": True})]
-for (fn, kernel, more), q, (k0, kr), d in itertools.product(extra, (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
+extra = {tr._forward_kernel: ("forward", {}),
+         tr._backward_stats_kernel: ("stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
+         tr._backward_apply_kernel: ("apply", {"BR": tr.APPLY_ROWS})}
+for (fn, (kernel, more)), q, (k0, kr), d in itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2)), (1024, 2048)):
     bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
     consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
     if fn is tr._forward_kernel:
@@ -315,8 +297,8 @@ for (fn, kernel, more), q, (k0, kr), d in itertools.product(extra, (1, 2), ((0, 
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler rejects (a loop variable re-bound to a tensor, for one), so every
-    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps,
-    the gradient kernel with and without a [d] source 0) in a process without the interpreter."""
+    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps)
+    in a process without the interpreter."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True)
@@ -379,7 +361,6 @@ def test_checkpointed_and_deterministic():
 
 def test_opcheck():
     sources, query, gain, grad_out = make(3, 24, (2, 3), [torch.float32, torch.bfloat16, torch.float32], queries=2)
-    sources[1] = sources[1][0, 0]  # a [d] source, one row for every token
     u = query * gain
     for counts in ([3, 3], [3, 2]):
         out, lse, rms = op.route(sources, u, 4, 1e-6, counts)
@@ -394,7 +375,7 @@ def test_opcheck():
 )
 @pytest.mark.parametrize("residual", ["mhar", "delta-mhar"])
 def test_compiled_decoder_block_fullgraph(monkeypatch, residual, compiler):
-    """A real decoder block (block MHAR, delta-MHAR with its [d] null source) traces without graph breaks and
+    """A real decoder block (block MHAR, delta-MHAR with its stride-0 null source) traces without graph breaks and
     gives eager's gradients, also through Inductor's generated code on the GPU (slow to compile on the CPU)."""
     from mhar_lightning.config import ModelConfig
     from mhar_lightning.model import Decoder, rope_cache
@@ -471,6 +452,3 @@ def test_mixed_and_broadcast_cuda():
     sources, query, gain, grad_out = make(4, 1536, (2, 64), dtypes)
     null = torch.randn(1536, device="cuda")
     check_against_reference([null.expand_as(sources[0]), *sources], query, gain, grad_out, 8, TOL[torch.bfloat16])
-    sources, query, gain, grad_out = make(4, 1024, (4, 1000), [torch.bfloat16] * 4, device="cuda", queries=2)
-    null = torch.randn(1024, device="cuda", dtype=torch.bfloat16)  # delta-MHAR's null: gradient summed in the kernel
-    check_against_reference([null, *sources], query, gain, grad_out, 8, TOL[torch.bfloat16])

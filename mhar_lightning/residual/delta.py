@@ -19,9 +19,8 @@ class DeltaMHAR(DepthRouter):
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
     source is read once and its gradient written once per transformer block) and keeps the two mixes in the
     stream until the block's last write.
-    Stream layout: (p, p at the start of the current block, null ([d]: one row for every token, so the kernel
-    sums its gradient over the rows), embedding, delta_1, ...); inside a transformer block the two mixes
-    [2, ..., d] follow the block start.
+    Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
+    transformer block the two mixes [2, ..., d] follow the block start.
     """
 
     def __init__(self, heads: int = 8, block_size: int = 4) -> None:
@@ -48,7 +47,7 @@ class DeltaMHAR(DepthRouter):
 
     def start(self, embedding: Tensor) -> Stream:
         source = routing_source(embedding)
-        return (embedding, embedding, self.null.to(source.dtype), source)
+        return (embedding, embedding, self.null.to(source.dtype).expand_as(source), source)
 
     def enter(self, stream: Stream, l: int) -> Stream:
         p, block_start, *sources = stream

@@ -41,7 +41,6 @@ class DepthCapture:
 
     @torch.no_grad()
     def record(self, l: int, sources: Stream, query: Tensor, key_norm: Tensor, heads: int) -> None:
-        sources = torch.broadcast_tensors(*sources)
         weights = depth_weights(sources, query, key_norm, heads, KEY_NORM_EPS)
         self.weights[l] = weights.flatten(0, -3).mean(0).float().cpu()
         normed = [v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS) for v in sources]
