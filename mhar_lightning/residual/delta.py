@@ -18,9 +18,11 @@ class DeltaMHAR(DepthRouter):
     p itself stays fp32), which halves what every later routing call reads.
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
     source is read once and its gradient written once per transformer block) and keeps the two mixes in the
-    stream until the block's last write.
+    stream until the block's last write, unbound into two tensors: the compiled backward then writes each mix's
+    gradient straight into its half of the route's [2, ..., d] gradient, where indexing the stacked mixes cost
+    an extra kernel that read both halves' sources for every element (benchmarks/NOTES.md, v23).
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
-    transformer block the two mixes [2, ..., d] follow the block start.
+    transformer block the attention's and the MLP's mixes follow the block start.
     """
 
     def __init__(self, heads: int = 8, block_size: int = 4) -> None:
@@ -52,18 +54,18 @@ class DeltaMHAR(DepthRouter):
     def enter(self, stream: Stream, l: int) -> Stream:
         p, block_start, *sources = stream
         mixes, _ = self.route_shared(sources, l, counts=(len(sources), len(sources)))
-        return (p, block_start, mixes, *sources)
+        return (p, block_start, *mixes.unbind(0), *sources)
 
     def read(self, stream: Stream, l: int) -> Tensor:
-        p, _, mixes, *sources = stream
+        p, _, mix_attn, mix_mlp, *sources = stream
         self.record(sources, l)
-        return p + self.gate[self.site(l)] * mixes[self.site(l)]
+        return p + self.gate[self.site(l)] * (mix_attn, mix_mlp)[self.site(l)]
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        p, block_start, mixes, *sources = stream
+        p, block_start, mix_attn, mix_mlp, *sources = stream
         p = p + y
         if self.site(l) == 0:
-            return (p, block_start, mixes, *sources)
+            return (p, block_start, mix_attn, mix_mlp, *sources)
         if (l + 1) % self.block_len == 0:
             return (p, p, *sources, (p - block_start).to(y.dtype))
         return (p, block_start, *sources)

@@ -118,7 +118,9 @@ class MHAR(DepthRouter):
     output is added. Every source is read once and its gradient written once per transformer block. A merged read
     and its pre-norm share one fused backward (`read_normed`); a subclass that changes `read` changes `read_normed`
     with it.
-    Inside a block the stream is (mixes, log-sum-exps, *sources).
+    Inside a block the stream is (attention mix, MLP mix, MLP log-sum-exp, *sources): the mixes unbound into two
+    tensors, so that the compiled backward writes each one's gradient straight into its half of the route's
+    (see `DeltaMHAR`).
     """
 
     def __init__(self, heads: int = 8, blocks: int | None = None) -> None:
@@ -137,28 +139,29 @@ class MHAR(DepthRouter):
     def enter(self, stream: Stream, l: int) -> Stream:
         n = len(stream)
         counts = (n, n) if l % self.block_len == 0 else (n, n - 1)  # a block start has no partial sum yet
-        return (*self.route_shared(stream, l, counts), *stream)
+        mixes, lse = self.route_shared(stream, l, counts)
+        return (*mixes.unbind(0), lse[1], *stream)
 
     def read(self, stream: Stream, l: int) -> Tensor:
         if l == self.n_sublayers:  # the final read: one query over the whole stream
             return self.route(stream, l)
-        mixes, lse, *sources = stream
+        mix_attn, mix_mlp, lse_mlp, *sources = stream
         self.record(sources, l)
         if self.site(l) == 0:
-            return mixes[0]
-        return self.merge(mixes[1], lse[1], sources[-1], l)
+            return mix_attn
+        return self.merge(mix_mlp, lse_mlp, sources[-1], l)
 
     def read_normed(self, stream: Stream, l: int, norm: nn.Module) -> Tensor:
         if l == self.n_sublayers or self.site(l) == 0 or not isinstance(norm, RMSNorm):
             return norm(self.read(stream, l))
-        mixes, lse, *sources = stream
+        _, mix_mlp, lse_mlp, *sources = stream
         self.record(sources, l)
-        return self.merge(mixes[1], lse[1], sources[-1], l, norm)
+        return self.merge(mix_mlp, lse_mlp, sources[-1], l, norm)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        mixes, lse, *sources = stream
+        mix_attn, mix_mlp, lse_mlp, *sources = stream
         sources = (*sources, y) if l % self.block_len == 0 else (*sources[:-1], sources[-1] + y)
-        return (mixes, lse, *sources) if self.site(l) == 0 else sources
+        return (mix_attn, mix_mlp, lse_mlp, *sources) if self.site(l) == 0 else sources
 
     def extra_repr(self) -> str:
         return f"blocks={self.blocks}, {super().extra_repr()}"
