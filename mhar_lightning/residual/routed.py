@@ -119,8 +119,7 @@ class MHAR(DepthRouter):
     and its pre-norm share one fused backward (`read_normed`); a subclass that changes `read` changes `read_normed`
     with it.
     Inside a block the stream is (attention mix, MLP mix, MLP log-sum-exp, *sources): the mixes unbound into two
-    tensors, so that the compiled backward writes each one's gradient straight into its half of the route's
-    (see `DeltaMHAR`).
+    tensors, whose gradients the compiled backward then concatenates (see `DeltaMHAR`).
     """
 
     def __init__(self, heads: int = 8, blocks: int | None = None) -> None:
