@@ -19,8 +19,8 @@ class DeltaMHAR(DepthRouter):
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
     source is read once and its gradient written once per transformer block) and keeps the two mixes in the
     stream until the block's last write, unbound into two tensors: the compiled backward then concatenates their
-    gradients into the route's [2, ..., d] gradient, reading each once, where indexing the stacked mixes made it
-    read both for every element (benchmarks/NOTES.md, v23).
+    gradients into the route's [2, ..., d] gradient, where indexing the stacked mixes made it read both gradients for
+    every element (benchmarks/NOTES.md, v23).
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
     transformer block the attention's and the MLP's mixes follow the block start.
     """
