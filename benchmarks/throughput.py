@@ -307,6 +307,10 @@ def main() -> None:
     unknown = set(precisions) - {"autocast", "fsdp-bf16"}
     if unknown:
         parser.error(f"unknown precision {sorted(unknown)}: use autocast and/or fsdp-bf16")
+    for name, given, known in (("preset", args.presets, BATCH), ("variant", args.variants, VARIANTS)):
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            parser.error(f"unknown {name} {unknown}: use some of {','.join(known)}")
     in_process = args.one_process or args.child is not None
     if in_process:  # the process that builds and compiles the models
         if "fsdp-bf16" in precisions:
@@ -336,7 +340,7 @@ def main() -> None:
         if args.child is not None:
             Path(args.child).write_text(json.dumps(row))
             continue
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)  # the kernels go to --out
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
