@@ -44,7 +44,7 @@ def stub_kernels() -> None:
 
     def forward(sources, u, heads, eps, counts=(), out=None, lse=None, rms=None):
         lead = sources[0].shape[:-1]
-        out = torch.empty(u.shape[0], *lead, u.shape[-1], dtype=triton_route.out_dtype(sources))
+        out = [torch.empty(*lead, u.shape[-1], dtype=triton_route.out_dtype(sources)) for _ in range(u.shape[0])]
         return out, torch.empty(u.shape[0], *lead, heads), torch.empty(lead.numel(), len(sources))
 
     def backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts=(), grads=None):
@@ -58,11 +58,11 @@ def time_shared_call(device: str) -> None:
     """Forward + grad of the model's two-query call (second query one source short), eager and compiled."""
     src = [torch.randn(1, TOKENS, D, device=device).requires_grad_() for _ in range(S)]
     q, w = torch.randn(2, D, device=device, requires_grad=True), torch.randn(2, D, device=device, requires_grad=True)
-    leaves, go = [*src, q, w], torch.randn(2, 1, TOKENS, D, device=device)
+    leaves, go = [*src, q, w], [torch.randn(1, TOKENS, D, device=device) for _ in range(2)]
 
     def shared(*a):
         out, lse = depth_route_lse(list(a[:S]), a[S], a[S + 1], HEADS, counts=(S, S - 1), backend="triton")
-        return out * 2 + lse.sum()
+        return [mix * 2 + z.sum() for mix, z in zip(out, lse, strict=True)]
 
     compiled = torch.compile(shared, fullgraph=True)
     timeit("two-query call fwd+grad eager", lambda: torch.autograd.grad(shared(*leaves), leaves, go))
@@ -86,7 +86,7 @@ def main() -> None:
     table, _, aligned, k0, kr = triton_route._table(src, lead)
     bh, bdh, warps = triton_route.kernel_launch("forward", D, HEADS)
 
-    args = (table, S, S, S, u, out, lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
+    args = (table, S, S, S, u, out[0], out[0], lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
     constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, LAZY=triton_route.lazy_rescale(warps))
 
     def bare_launch():
@@ -96,9 +96,9 @@ def main() -> None:
     timeit("_table (cached)", lambda: triton_route._table(src, lead))
     timeit("bare _forward_kernel launch", bare_launch)
     timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
-    timeit("route_backward (launcher)", lambda: triton_route.route_backward(go[None], None, lse, rms, src, u, HEADS))
+    timeit("route_backward (launcher)", lambda: triton_route.route_backward([go], None, lse, rms, src, u, HEADS))
     timeit("op.route (library op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
-    timeit("op.route_backward (library op)", lambda: op.route_backward(go[None], None, lse, rms, src, u, HEADS, [S]))
+    timeit("op.route_backward (library op)", lambda: op.route_backward([go], None, lse, rms, src, u, HEADS, [S]))
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)

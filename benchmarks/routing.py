@@ -58,7 +58,7 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
     row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
     _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
     row["bwd_ms"] = do_bench(
-        lambda: triton_route.route_backward(go[None], None, lse, rms, sources, u, heads), return_mode="median"
+        lambda: triton_route.route_backward([go], None, lse, rms, sources, u, heads), return_mode="median"
     )
     row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
     row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
@@ -118,7 +118,7 @@ def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
     for label, tokens, d, S, queries in MODEL_SHAPES:
         sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
         u = 0.1 * torch.randn(queries, d, device="cuda")
-        go = torch.randn(queries, tokens, d, device="cuda", dtype=torch.bfloat16)
+        go = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(queries)]
         counts = (S, S - 1)[:queries]
         _, lse, rms = triton_route.route_forward(sources, u, 8, 1e-6, counts)
         floors = kernel_floors(tokens, d, S, queries, bw)
@@ -151,7 +151,7 @@ def compare_kernels(paths: list[str], bw: float) -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         sources = [torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(S)]
         u = 0.1 * torch.randn(queries, d, device="cuda", generator=gen)
-        go = torch.randn(queries, tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        go = [torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(queries)]
         glse = 0.1 * torch.randn(queries, tokens, 8, device="cuda", generator=gen)
         counts = (S, S - 1)[:queries]
         floors = kernel_floors(tokens, d, S, queries, bw)
@@ -159,7 +159,7 @@ def compare_kernels(paths: list[str], bw: float) -> None:
         for name, kernels in versions.items():
             out, lse, rms = kernels.route_forward(sources, u, 8, 1e-6, counts)
             grads, du = kernels.route_backward(go, glse, lse, rms, sources, u, 8, counts)
-            outputs = [out, lse, *grads, du.sum(0)]
+            outputs = [*out, lse, *grads, du.sum(0)]
             if reference_outputs is None:
                 reference_outputs = outputs
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

@@ -56,9 +56,9 @@ def depth_route_lse(
     eps: float = 1e-6,
     counts: Sequence[int] | None = None,
     backend: str = "auto",
-) -> tuple[Tensor, Tensor]:
-    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source; query k of a
-    [Q, d] query reads the first counts[k] sources (default: all)."""
+) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source. A [Q, d] query gives a
+    tuple of Q mixes and one of Q log-sum-exps, query k reading the first counts[k] sources (default: all)."""
     if resolve_backend(backend, sources) == "reference":
         return reference.depth_route_lse(sources, query, norm_weight, heads, eps, counts)
     from mhar_lightning.kernels import op

@@ -26,9 +26,9 @@ from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
 _LIB = torch.library.Library("mhar", "DEF")
-_LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor, Tensor, Tensor)")
+_LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor[], Tensor, Tensor)")
 _LIB.define(
-    "depth_route_backward(Tensor grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
+    "depth_route_backward(Tensor[] grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
     "int heads, int[] counts) -> Tensor[]"
 )
 _LIB.define(
@@ -39,21 +39,21 @@ _LIB.define(
 
 def _route(
     sources: list[Tensor], u: Tensor, heads: int, eps: float, counts: list[int]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32), log-sum-exps [Q, ..., heads] and the sources'
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Q mixes [..., d] (bf16 if all sources are bf16, else fp32), log-sum-exps [Q, ..., heads] and the sources'
     inverse RMS [rows, S] (fp32, for the backward); query k reads the first counts[k] sources."""
     return triton_route.route_forward(sources, u, heads, eps, counts)
 
 
 def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
-    out = sources[0].new_empty((n_queries, *lead, u.shape[-1]), dtype=triton_route.out_dtype(sources))
+    out = [sources[0].new_empty((*lead, u.shape[-1]), dtype=triton_route.out_dtype(sources)) for _ in range(n_queries)]
     lse = sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
     return out, lse, sources[0].new_empty((lead.numel(), len(sources)), dtype=torch.float32)
 
 
 def _route_backward(
-    grad_out: Tensor,
+    grad_out: list[Tensor],
     grad_lse: Tensor | None,
     lse: Tensor,
     rms: Tensor,
@@ -97,21 +97,21 @@ merge_norm_backward_op = torch.ops.mhar.merge_norm_backward.default
 
 class _Route(torch.autograd.Function):
     """Autograd of `route`: the backward op recomputes the softmax from the saved sources, log-sum-exp and inverse
-    RMS."""
+    RMS. Each mix is an output of its own, so each arrives with its own gradient and none is concatenated."""
 
     @staticmethod
     def forward(ctx, u: Tensor, heads: int, eps: float, counts: list[int], *sources: Tensor):
         out, lse, rms = route(list(sources), u, heads, eps, counts)
         ctx.save_for_backward(lse, rms, u, *sources)
-        ctx.out_meta = (out.shape, out.dtype)
+        ctx.out_meta = (out[0].shape, out[0].dtype)
         ctx.heads, ctx.counts = heads, counts
-        return out, lse
+        return *out, lse
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    def backward(ctx, *grad_outputs: Tensor | None):
+        *grad_out, grad_lse = grad_outputs
         lse, rms, u, *sources = ctx.saved_tensors
-        if grad_out is None:  # only the log-sum-exp was used
-            grad_out = lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1])
+        grad_out = [g if g is not None else lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1]) for g in grad_out]
         *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts)
         return du_parts.sum(0), None, None, None, *grads
 
@@ -143,13 +143,14 @@ def depth_route_lse(
     heads: int,
     eps: float = 1e-6,
     counts: Sequence[int] | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The fused route with the reference's contract (shapes, checks, promoted output dtype), and the per-head
     log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
 
     `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
-    same sources (outputs [Q, ..., d] and [Q, ..., heads]), two per pass over the sources; `counts` then
-    gives the number of leading sources each query reads (default: all).
+    same sources (outputs: Q mixes and Q log-sum-exps, each a tensor of its own, so each consumer's gradient reaches
+    the backward kernels without a concatenation), two per pass over the sources; `counts` then gives the number of
+    leading sources each query reads (default: all).
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
@@ -164,18 +165,20 @@ def depth_route_lse(
         sources = [v.expand(*lead, d) for v in sources]
     u = (query.float() * norm_weight.float()).reshape(-1, d)
     counts = check_counts(counts, len(u), len(sources))
-    routes = []
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
+    mixes, lses = [], []
     for first in range(0, len(u), triton_route.MAX_QUERIES):
         chunk = counts[first : first + triton_route.MAX_QUERIES]
-        routes.append(_Route.apply(u[first : first + len(chunk)], heads, eps, chunk, *sources[: max(chunk)]))
-    out, lse = routes[0] if len(routes) == 1 else (torch.cat(parts) for parts in zip(*routes, strict=True))
-    out = out.to(functools.reduce(torch.promote_types, (v.dtype for v in sources)))
-    return (out, lse) if query.dim() == 2 else (out[0], lse[0])
+        *out, lse = _Route.apply(u[first : first + len(chunk)], heads, eps, chunk, *sources[: max(chunk)])
+        mixes += [mix.to(dtype) for mix in out]
+        lses += lse.unbind(0)
+    return (tuple(mixes), tuple(lses)) if query.dim() == 2 else (mixes[0], lses[0])
 
 
 def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
-    """The fused route (see `depth_route_lse`) without its log-sum-exp."""
-    return depth_route_lse(sources, query, norm_weight, heads, eps)[0]
+    """The fused route (see `depth_route_lse`) without its log-sum-exp: [..., d], or [Q, ..., d] for a [Q, d] query."""
+    out = depth_route_lse(sources, query, norm_weight, heads, eps)[0]
+    return torch.stack(out) if query.dim() == 2 else out
 
 
 def merge_norm(

@@ -78,7 +78,8 @@ def depth_route(
     activation memory stays linear in depth.  The output has the promoted dtype of the sources.
     A [Q, d] query (and norm weight) routes Q queries over the same sources: output [Q, ..., d].
     """
-    return depth_route_lse(sources, query, norm_weight, heads, eps)[0]
+    out = depth_route_lse(sources, query, norm_weight, heads, eps)[0]
+    return torch.stack(out) if query.dim() == 2 else out
 
 
 def depth_route_lse(
@@ -88,17 +89,18 @@ def depth_route_lse(
     heads: int,
     eps: float = 1e-6,
     counts: Sequence[int] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """`depth_route` and the per-head log-sum-exp of its logits ([..., heads], or [Q, ..., heads]).
+) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """`depth_route` and the per-head log-sum-exp of its logits ([..., heads]).
 
-    Query k reads the first counts[k] sources (default: all; a [d] query is one query).
+    A [Q, d] query gives Q mixes and Q log-sum-exps, as two tuples; query k reads the first counts[k] sources
+    (default: all; a [d] query is one query).
     """
     if query.dim() == 2:
         counts = check_counts(counts, len(query), len(sources))
         pairs = [
             depth_route_lse(sources[:c], q, g, heads, eps) for q, g, c in zip(query, norm_weight, counts, strict=True)
         ]
-        return torch.stack([out for out, _ in pairs]), torch.stack([lse for _, lse in pairs])
+        return tuple(out for out, _ in pairs), tuple(lse for _, lse in pairs)
     sources = sources[: check_counts(counts, 1, len(sources))[0]]
     logits = depth_logits(sources, query, norm_weight, heads, eps)
     return _mix(torch.softmax(logits, dim=-1), sources, heads), torch.logsumexp(logits, dim=-1)

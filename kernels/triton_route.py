@@ -132,12 +132,13 @@ def _mix_both(x, u0, u1, m0, z0, acc0, m1, z1, acc1, r_ptr, D, eps, live0, live1
 
 @triton.jit
 def _forward_kernel(
-    table, S, S0, S1, u_ptr, out_ptr, lse_ptr, rms_ptr, M, M1, D, H, DH, eps,
+    table, S, S0, S1, u_ptr, out0_ptr, out1_ptr, lse_ptr, rms_ptr, M, M1, D, H, DH, eps,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
     LAZY: tl.constexpr,
 ):  # fmt: skip
     """One row per program, every query at once: source 0 (kind K0), then sources 1.. (kind KR) with two
-    loads in flight. Query k reads sources 0 .. Sk - 1. Each source's inverse RMS goes to rms [rows, S]."""
+    loads in flight. Query k reads sources 0 .. Sk - 1 and writes its mix at outk_ptr. Each source's inverse RMS goes
+    to rms [rows, S]."""
     row = tl.program_id(0).to(tl.int64)
     i0 = row // M1
     i1 = row % M1
@@ -158,10 +159,10 @@ def _forward_kernel(
             x, u0, u1, m0, z0, acc0, m1, z1, acc1, rms_ptr + row * S + n, D, eps, n < S0, n < S1, Q, LAZY
         )
         a32, a16, b32, b16 = b32, b16, c32, c16
-    tl.store(out_ptr + row * D + cols, (acc0 / z0[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out0_ptr + row * D + cols, (acc0 / z0[:, None]).to(out0_ptr.dtype.element_ty), mask=mask)
     tl.store(lse_ptr + row * H + h, m0 + tl.log(z0), mask=h < H)
     if Q == 2:
-        tl.store(out_ptr + (M + row) * D + cols, (acc1 / z1[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out1_ptr + row * D + cols, (acc1 / z1[:, None]).to(out1_ptr.dtype.element_ty), mask=mask)
         tl.store(lse_ptr + (M + row) * H + h, m1 + tl.log(z1), mask=h < H)
 
 
@@ -204,7 +205,7 @@ def _coefficients(p_ptr, q_ptr, at, hmask, lse, scale, delta):
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, S0, S1, u_ptr, gout_ptr, glse_ptr, lse_ptr, rms_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH,
+    table, S, S0, S1, u_ptr, gout0_ptr, gout1_ptr, glse_ptr, lse_ptr, rms_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
     HAS_GLSE: tl.constexpr, Q: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
@@ -228,11 +229,11 @@ def _backward_stats_kernel(
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
     rx, ra, rb = tl.load(rms), tl.load(rms + 1 % S), tl.load(rms + 2 % S)
     hmask = h < H
-    go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    go0 = tl.load(gout0_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     lse0 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0)
     go1, lse1 = go0, lse0
     if Q == 2:
-        go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+        go1 = tl.load(gout1_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     delta0 = tl.zeros([BH], tl.float32)
     delta1, total0, total1 = delta0, delta0, delta0
@@ -292,7 +293,7 @@ def _backward_stats_kernel(
 
 @triton.jit
 def _apply_rows(
-    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
     BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
@@ -304,11 +305,11 @@ def _apply_rows(
         row = first + i
         at = (row * S + n) * 2 * Q * H + h
         q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
-        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        go0 = tl.load(gout0_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
         if Q == 2:
             q1 = tl.load(q_ptr + at + H, mask=hmask, other=0.0)[:, None]
-            go1 = tl.load(gout_ptr + (M + row) * D + cols, mask=mask, other=0.0).to(tl.float32)
+            go1 = tl.load(gout1_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
             g += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1 + q1 * u1
         c = tl.load(c_ptr + row * S + n)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
@@ -322,7 +323,7 @@ def _apply_rows(
 
 @triton.jit
 def _backward_apply_kernel(
-    table, S, u_ptr, gout_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
+    table, S, u_ptr, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
@@ -337,12 +338,12 @@ def _backward_apply_kernel(
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     if n == 0:  # uniform per program: each branch loads with its own kind
         du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, K0, ALIGN, Q,
         )  # fmt: skip
     else:
         du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, KR, ALIGN, Q,
         )  # fmt: skip
     at = tl.program_id(0).to(tl.int64) * Q * D + cols
@@ -476,23 +477,23 @@ def route_forward(
     heads: int,
     eps: float,
     counts: Sequence[int] = (),
-    out: Tensor | None = None,
+    out: Sequence[Tensor] | None = None,
     lse: Tensor | None = None,
     rms: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[list[Tensor], Tensor, Tensor]:
     """Forward route for 1 or 2 folded queries `u = query * norm_weight` (fp32, [Q, d]) in one pass over the sources;
     query k reads the first counts[k] sources (all when `counts` is empty).
 
-    Returns the mixes [Q, ..., d] (bf16 if all sources are bf16, else fp32), the per-head log-sum-exps
-    [Q, ..., heads] in fp32 and the sources' inverse RMS [rows, S] in fp32 (for `route_backward`). `out`, `lse`
-    and `rms` may be given as destination buffers.
+    Returns the Q mixes, each [..., d] in its own buffer (bf16 if all sources are bf16, else fp32), the per-head
+    log-sum-exps [Q, ..., heads] in fp32 and the sources' inverse RMS [rows, S] in fp32 (for `route_backward`).
+    `out` (Q contiguous tensors), `lse` and `rms` may be given as destination buffers.
     """
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     n_queries, s0, s1 = _check_queries(u, counts, len(sources))
     table, views, aligned, k0, kr = _table(sources, lead)
     rows = lead.numel()
     if out is None:
-        out = torch.empty(n_queries, *lead, d, dtype=out_dtype(sources), device=u.device)
+        out = [torch.empty(*lead, d, dtype=out_dtype(sources), device=u.device) for _ in range(n_queries)]
     if lse is None:
         lse = torch.empty(n_queries, *lead, heads, dtype=torch.float32, device=u.device)
     if rms is None:
@@ -500,16 +501,16 @@ def route_forward(
     bh, bdh, warps = kernel_launch("forward", d, heads)
     if rows:
         _forward_kernel[(rows,)](
-            table, len(sources), s0, s1, u.contiguous(), out, lse, rms, rows, views[0].shape[1], d, heads, d // heads,
-            eps,
+            table, len(sources), s0, s1, u.contiguous(), out[0], out[-1], lse, rms, rows, views[0].shape[1], d, heads,
+            d // heads, eps,
             BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned and (d // heads) % 8 == 0, Q=n_queries,
             LAZY=lazy_rescale(warps), num_warps=warps,
         )  # fmt: skip
-    return out, lse, rms
+    return list(out), lse, rms
 
 
 def route_backward(
-    grad_out: Tensor,
+    grad_out: Sequence[Tensor],
     grad_lse: Tensor | None,
     lse: Tensor,
     rms: Tensor,
@@ -519,8 +520,8 @@ def route_backward(
     counts: Sequence[int] = (),
     grads: Sequence[Tensor] | None = None,
 ) -> tuple[list[Tensor], Tensor]:
-    """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out` [Q, ..., d],
-    and `grad_lse` [Q, ..., heads] or None when the log-sum-exps are not used; `lse` and `rms` from
+    """Gradients of the route of Q queries, query k reading the first counts[k] sources (`grad_out`: one [..., d]
+    gradient per mix; `grad_lse` [Q, ..., heads], or None when the log-sum-exps are not used; `lse` and `rms` from
     `route_forward`): one per source (its dtype, contiguous, summed over the queries) and the partial sums of
     du = dL/d(query * norm_weight), [du_blocks(rows, S), Q, d] in fp32 (their sum over dim 0 is du).
 
@@ -539,20 +540,21 @@ def route_backward(
         return list(grads), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
-    grad_out, lse, u = grad_out.contiguous(), lse.contiguous(), u.contiguous()
+    grad_out = [g.contiguous() for g in grad_out]
+    lse, u = lse.contiguous(), u.contiguous()
     glse = lse if grad_lse is None else grad_lse.contiguous()  # any fp32 pointer when unused
     pq = torch.empty(rows, S, 2, n_queries, heads, dtype=torch.float32, device=u.device)
     p, q = pq[:, :, 0], pq[:, :, 1]  # a source's p and q side by side: the statistics kernel stores both at once
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
     bh, bdh, warps = kernel_launch("stats", d, heads)
     _backward_stats_kernel[(rows,)](
-        table, S, s0, s1, u, grad_out, glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
+        table, S, s0, s1, u, grad_out[0], grad_out[-1], glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip
     warps = kernel_launch("apply", d, heads)[2]
     _backward_apply_kernel[(du.shape[0],)](
-        table, S, u, grad_out, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
+        table, S, u, grad_out[0], grad_out[-1], p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
     )  # fmt: skip
     return list(grads), du

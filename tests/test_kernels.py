@@ -130,6 +130,7 @@ def test_log_sum_exp_and_merged_source_match_reference(queries):
         else:
             parts = zip(mix, lse, q, g, strict=True)
             merged = torch.stack([merge_source(m, s, extra, qk, gk, heads) for m, s, qk, gk in parts])
+            lse = torch.stack(lse)
         return (merged.double() * grad_out.double()).sum() + (lse.double() * lse.double().sin()).sum()
 
     leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
@@ -147,7 +148,8 @@ def test_log_sum_exp_and_merged_source_match_reference(queries):
 )
 def test_queries_reading_fewer_sources_match_reference(counts, dtypes):
     """Query k reads only the first counts[k] sources: each mix, log-sum-exp and every gradient match separate
-    fp64 routes over those sources (a source a query skips gets no gradient from it)."""
+    fp64 routes over those sources (a source a query skips gets no gradient from it). Each mix and log-sum-exp is a
+    tensor of its own, and each gets its own upstream gradient."""
     S, d, heads = 5, 40, 8
     first = torch.float32 if dtypes != "bf16" else torch.bfloat16
     rest = torch.float32 if dtypes == "fp32" else torch.bfloat16
@@ -159,7 +161,9 @@ def test_queries_reading_fewer_sources_match_reference(counts, dtypes):
         return (mix.double() * grad_out.double()).sum() + (lse.double() * lse.double().sin()).sum()
 
     leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
-    mix, lse = depth_route_lse(leaves[:S], leaves[S], leaves[S + 1], heads, counts=counts, backend="triton")
+    mixes, lses = depth_route_lse(leaves[:S], leaves[S], leaves[S + 1], heads, counts=counts, backend="triton")
+    assert len(mixes) == len(lses) == len(counts)
+    mix, lse = torch.stack(mixes), torch.stack(lses)
     loss(mix, lse).backward()
     ref = [v.detach().double().requires_grad_() for v in (*sources, query, gain)]
     pairs = [reference.depth_route_lse(ref[:c], ref[S][k], ref[S + 1][k], heads) for k, c in enumerate(counts)]
@@ -221,13 +225,13 @@ def test_outputs_fully_overwritten():
     S, d, heads = 3, 40, 8
     sources, query, gain, grad_out = make(S, d, (2, 3), [torch.float32] * S, queries=2)
     u = query * gain
-    out = torch.full((2, 2, 3, d), float("nan"), device=DEVICE)
+    out = [torch.full((2, 3, d), float("nan"), device=DEVICE) for _ in range(2)]
     lse = torch.full((2, 2, 3, heads), float("nan"), device=DEVICE)
     rms = torch.full((6, S), float("nan"), device=DEVICE)
     triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse, rms=rms)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all() and torch.isfinite(rms).all()
+    assert all(torch.isfinite(x).all() for x in (*out, lse, rms))
     grads = [torch.full_like(v, float("nan")) for v in sources]
-    triton_route.route_backward(grad_out, None, lse, rms, sources, u, heads, grads=grads)
+    triton_route.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -242,7 +246,7 @@ def test_backward_tolerates_rounding_of_forward_statistics():
     gen = torch.Generator().manual_seed(0)
     for stat in (lse, rms):
         stat *= 1 + 4 * 2.0**-24 * torch.randn(stat.shape, generator=gen).to(stat.device)
-    grads, _ = triton_route.route_backward(grad_out, None, lse, rms, sources, u, heads)
+    grads, _ = triton_route.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads)
     ref_leaves = [v.detach().double().requires_grad_() for v in sources]
     ref = torch.stack([reference.depth_route(ref_leaves, uk.double(), torch.ones_like(uk.double()), heads) for uk in u])
     ref.backward(grad_out.double())
@@ -265,6 +269,7 @@ def test_forward_with_sharp_rising_logits_matches_reference(lazy, monkeypatch):
     assert (running[..., -1] - running[..., 0] > 100).any()  # exp(100) overflows fp32 without a rescale
     mix, lse, _ = triton_route.route_forward(sources, u, heads, 1e-6)
     ref_mix, ref_lse = reference.depth_route_lse(ref, u.double(), torch.ones_like(u.double()), heads)
+    mix, ref_mix, ref_lse = torch.stack(mix), torch.stack(ref_mix), torch.stack(ref_lse)
     assert rel(mix, ref_mix) < TOL[torch.float32] and rel(lse, ref_lse) < TOL[torch.float32]
 
 
@@ -278,7 +283,7 @@ def kind(name):
     if name == "table":
         return "*i64"
     if name.endswith("_ptr"):
-        return "*bf16" if name in ("out_ptr", "gout_ptr") else "*fp32"
+        return "*bf16" if name in ("out0_ptr", "out1_ptr", "gout0_ptr", "gout1_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
 extra = {tr._forward_kernel: ("forward", {}),
@@ -330,7 +335,7 @@ def test_compiled_autograd_matches_eager():
     def grads(compiled: bool) -> list[torch.Tensor]:
         leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
         out, lse = depth_route_lse(leaves[:4], leaves[4], leaves[5], 8, counts=(4, 3), backend="triton")
-        loss = (out.float() * grad_out).sum() + lse.square().sum()
+        loss = sum((m.float() * g).sum() + z.square().sum() for m, g, z in zip(out, grad_out, lse, strict=True))
         with maybe_enable_compiled_autograd(compiled, fullgraph=False, dynamic=False):
             loss.backward()
         return [v.grad for v in leaves]
@@ -364,8 +369,9 @@ def test_opcheck():
     u = query * gain
     for counts in ([3, 3], [3, 2]):
         out, lse, rms = op.route(sources, u, 4, 1e-6, counts)
-        torch.library.opcheck(op.route_backward, (grad_out, None, lse, rms, sources, u, 4, counts))
-        torch.library.opcheck(op.route_backward, (grad_out, torch.randn_like(lse), lse, rms, sources, u, 4, counts))
+        gouts = list(grad_out.unbind(0))
+        torch.library.opcheck(op.route_backward, (gouts, None, lse, rms, sources, u, 4, counts))
+        torch.library.opcheck(op.route_backward, (gouts, torch.randn_like(lse), lse, rms, sources, u, 4, counts))
         leaves = [v.detach().requires_grad_() for v in sources]
         torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
 

@@ -18,9 +18,9 @@ class DeltaMHAR(DepthRouter):
     p itself stays fp32), which halves what every later routing call reads.
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
     source is read once and its gradient written once per transformer block) and keeps the two mixes in the
-    stream until the block's last write, unbound into two tensors: the compiled backward then concatenates their
-    gradients into the route's [2, ..., d] gradient, where indexing the stacked mixes made it read both gradients for
-    every element (benchmarks/NOTES.md, v23).
+    stream until the block's last write, as the route's two outputs: each read's gradient reaches the route's
+    backward as it is (a stacked [2, ..., d] mix cost a kernel a block that built its gradient: benchmarks/NOTES.md,
+    v23-v24).
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
     transformer block the attention's and the MLP's mixes follow the block start.
     """
@@ -54,7 +54,7 @@ class DeltaMHAR(DepthRouter):
     def enter(self, stream: Stream, l: int) -> Stream:
         p, block_start, *sources = stream
         mixes, _ = self.route_shared(sources, l, counts=(len(sources), len(sources)))
-        return (p, block_start, *mixes.unbind(0), *sources)
+        return (p, block_start, *mixes, *sources)
 
     def read(self, stream: Stream, l: int) -> Tensor:
         p, _, mix_attn, mix_mlp, *sources = stream

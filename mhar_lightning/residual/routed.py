@@ -86,8 +86,10 @@ class DepthRouter(Residual):
         j = self.site(l)
         return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
-    def route_shared(self, sources: Stream, l: int, counts: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """Mixes [Q, ..., d] and log-sum-exps of sublayers l .. l + Q - 1 in one pass over `sources`, sublayer l + k
+    def route_shared(
+        self, sources: Stream, l: int, counts: tuple[int, ...]
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """The mixes [..., d] and log-sum-exps of sublayers l .. l + Q - 1 in one pass over `sources`, sublayer l + k
         reading the first counts[k]; `merge` then adds a source that did not exist yet."""
         sites = slice(self.site(l), self.site(l) + len(counts))
         return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS, counts)
@@ -118,8 +120,8 @@ class MHAR(DepthRouter):
     output is added. Every source is read once and its gradient written once per transformer block. A merged read
     and its pre-norm share one fused backward (`read_normed`); a subclass that changes `read` changes `read_normed`
     with it.
-    Inside a block the stream is (attention mix, MLP mix, MLP log-sum-exp, *sources): the mixes unbound into two
-    tensors, whose gradients the compiled backward then concatenates (see `DeltaMHAR`).
+    Inside a block the stream is (attention mix, MLP mix, MLP log-sum-exp, *sources): the route returns each mix as
+    a tensor of its own, so their gradients reach its backward as they are, without a concatenation.
     """
 
     def __init__(self, heads: int = 8, blocks: int | None = None) -> None:
@@ -138,8 +140,8 @@ class MHAR(DepthRouter):
     def enter(self, stream: Stream, l: int) -> Stream:
         n = len(stream)
         counts = (n, n) if l % self.block_len == 0 else (n, n - 1)  # a block start has no partial sum yet
-        mixes, lse = self.route_shared(stream, l, counts)
-        return (*mixes.unbind(0), lse[1], *stream)
+        mixes, lses = self.route_shared(stream, l, counts)
+        return (*mixes, lses[1], *stream)
 
     def read(self, stream: Stream, l: int) -> Tensor:
         if l == self.n_sublayers:  # the final read: one query over the whole stream
