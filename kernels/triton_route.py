@@ -205,7 +205,7 @@ def _coefficients(p_ptr, q_ptr, at, hmask, lse, scale, delta):
 
 @triton.jit
 def _backward_stats_kernel(
-    table, S, S0, S1, u_ptr, gout0_ptr, gout1_ptr, glse_ptr, lse_ptr, rms_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH,
+    table, S, S0, S1, u_ptr, gout_ptr, G1R, G1E, glse_ptr, lse_ptr, rms_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H, DH,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr,
     HAS_GLSE: tl.constexpr, Q: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
@@ -229,11 +229,11 @@ def _backward_stats_kernel(
     b32, b16 = _issue(table, 2 % S, 2 < S, i0, i1, cols, mask, KR, ALIGN)
     rx, ra, rb = tl.load(rms), tl.load(rms + 1 % S), tl.load(rms + 2 % S)
     hmask = h < H
-    go0 = tl.load(gout0_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     lse0 = tl.load(lse_ptr + row * H + h, mask=hmask, other=0.0)
     go1, lse1 = go0, lse0
     if Q == 2:
-        go1 = tl.load(gout1_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        go1 = tl.load(gout_ptr + (G1R + row) * D + G1E + cols, mask=mask, other=0.0).to(tl.float32)
         lse1 = tl.load(lse_ptr + (M + row) * H + h, mask=hmask, other=0.0)
     delta0 = tl.zeros([BH], tl.float32)
     delta1, total0, total1 = delta0, delta0, delta0
@@ -293,7 +293,7 @@ def _backward_stats_kernel(
 
 @triton.jit
 def _apply_rows(
-    table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+    table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, G1R, G1E, p_ptr, q_ptr, c_ptr, M, M1, D, H,
     BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
@@ -305,11 +305,11 @@ def _apply_rows(
         row = first + i
         at = (row * S + n) * 2 * Q * H + h
         q0 = tl.load(q_ptr + at, mask=hmask, other=0.0)[:, None]
-        go0 = tl.load(gout0_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        go0 = tl.load(gout_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(p_ptr + at, mask=hmask, other=0.0)[:, None] * go0 + q0 * u0
         if Q == 2:
             q1 = tl.load(q_ptr + at + H, mask=hmask, other=0.0)[:, None]
-            go1 = tl.load(gout1_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            go1 = tl.load(gout_ptr + (G1R + row) * D + G1E + cols, mask=mask, other=0.0).to(tl.float32)
             g += tl.load(p_ptr + at + H, mask=hmask, other=0.0)[:, None] * go1 + q1 * u1
         c = tl.load(c_ptr + row * S + n)
         x32, x16 = _issue(table, n, True, row // M1, row % M1, cols, mask, KIND, ALIGN)
@@ -323,7 +323,7 @@ def _apply_rows(
 
 @triton.jit
 def _backward_apply_kernel(
-    table, S, u_ptr, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
+    table, S, u_ptr, gout_ptr, G1R, G1E, p_ptr, q_ptr, c_ptr, du_ptr, M, M1, D, H, DH, BR: tl.constexpr,
     BH: tl.constexpr, BDH: tl.constexpr, K0: tl.constexpr, KR: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """dv_n = sum_k (p[n, k, h] go_k + q[n, k, h] u_k) + c[n] v_n for BR rows of source n, and their partial
@@ -338,12 +338,12 @@ def _backward_apply_kernel(
     h, mask, cols, u0, u1 = _row_tile(u_ptr, H, DH, D, BH, BDH, Q)
     if n == 0:  # uniform per program: each branch loads with its own kind
         du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, G1R, G1E, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, K0, ALIGN, Q,
         )  # fmt: skip
     else:
         du0, du1 = _apply_rows(
-            table, S, n, first, count, u0, u1, h, mask, cols, gout0_ptr, gout1_ptr, p_ptr, q_ptr, c_ptr, M, M1, D, H,
+            table, S, n, first, count, u0, u1, h, mask, cols, gout_ptr, G1R, G1E, p_ptr, q_ptr, c_ptr, M, M1, D, H,
             BH, BDH, KR, ALIGN, Q,
         )  # fmt: skip
     at = tl.program_id(0).to(tl.int64) * Q * D + cols
@@ -509,6 +509,18 @@ def route_forward(
     return list(out), lse, rms
 
 
+def _gradient_offsets(grad_out: Sequence[Tensor], d: int) -> tuple[Tensor, Tensor, int, int]:
+    """Query 0's and the last query's gradients (contiguous, in query 0's dtype; keep both alive until launch) and
+    where the last starts relative to the first, in rows of d and elements: the kernels read it at
+    gout + (G1R + row) * D + G1E. That address, rather than a second pointer, keeps the gradient kernel's loop
+    scheduled as when both gradients shared one buffer: 17-20 % faster at d = 1024 on an H200 (benchmarks/NOTES.md,
+    v24)."""
+    first = grad_out[0].contiguous()
+    last = grad_out[-1].to(first.dtype).contiguous()
+    g1r, g1e = divmod((last.data_ptr() - first.data_ptr()) // first.element_size(), d)
+    return first, last, g1r, g1e
+
+
 def route_backward(
     grad_out: Sequence[Tensor],
     grad_lse: Tensor | None,
@@ -540,7 +552,7 @@ def route_backward(
         return list(grads), du
     table, views, aligned, k0, kr = _table(sources, lead, grads)
     align = aligned and dh % 8 == 0
-    grad_out = [g.contiguous() for g in grad_out]
+    gout, _last, g1r, g1e = _gradient_offsets(grad_out, d)
     lse, u = lse.contiguous(), u.contiguous()
     glse = lse if grad_lse is None else grad_lse.contiguous()  # any fp32 pointer when unused
     pq = torch.empty(rows, S, 2, n_queries, heads, dtype=torch.float32, device=u.device)
@@ -548,13 +560,13 @@ def route_backward(
     c = torch.empty(rows, S, dtype=torch.float32, device=u.device)
     bh, bdh, warps = kernel_launch("stats", d, heads)
     _backward_stats_kernel[(rows,)](
-        table, S, s0, s1, u, grad_out[0], grad_out[-1], glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
+        table, S, s0, s1, u, gout, g1r, g1e, glse, lse, rms, p, q, c, rows, views[0].shape[1], d, heads, dh,
         BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, HAS_GLSE=grad_lse is not None, Q=n_queries, SC=STATS_SOURCES,
         num_warps=warps,
     )  # fmt: skip
     warps = kernel_launch("apply", d, heads)[2]
     _backward_apply_kernel[(du.shape[0],)](
-        table, S, u, grad_out[0], grad_out[-1], p, q, c, du, rows, views[0].shape[1], d, heads, dh,
+        table, S, u, gout, g1r, g1e, p, q, c, du, rows, views[0].shape[1], d, heads, dh,
         BR=APPLY_ROWS, BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=align, Q=n_queries, num_warps=warps,
     )  # fmt: skip
     return list(grads), du

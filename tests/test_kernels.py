@@ -235,6 +235,36 @@ def test_outputs_fully_overwritten():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("placement", ["one buffer", "skewed", "reversed", "mixed dtypes"])
+def test_query_gradients_anywhere_in_memory(placement):
+    """The kernels read the second query's gradient at an offset (rows and elements) from the first's: gradients in
+    one buffer, apart by part of a row, in reverse order in memory, or of two dtypes all give fp64's gradients."""
+    S, d, heads = 3, 40, 8
+    sources, query, gain, grad_out = make(S, d, (2, 3), [torch.bfloat16] * S, queries=2, seed=13)
+    u = query * gain
+    _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
+    n = grad_out[0].numel()
+    buf = torch.empty(2 * n + 8, dtype=torch.bfloat16, device=DEVICE)
+    first, second = buf[:n].view_as(grad_out[0]), buf[n + 8 :].view_as(grad_out[0])  # 8: not a multiple of d
+    if placement == "one buffer":
+        gos = list(grad_out.to(torch.bfloat16).unbind(0))
+    elif placement == "mixed dtypes":
+        gos = [grad_out[0].to(torch.bfloat16), grad_out[1]]
+    else:
+        gos = [first, second] if placement == "skewed" else [second, first]
+        for g, values in zip(gos, grad_out, strict=True):
+            g.copy_(values)
+    grads, du = triton_route.route_backward(gos, None, lse, rms, sources, u, heads)
+
+    ref = [v.detach().double().requires_grad_() for v in sources]
+    ref_u = u.detach().double().requires_grad_()
+    ones = torch.ones(d, dtype=torch.float64, device=DEVICE)
+    outs = [reference.depth_route(ref, ref_u[k], ones, heads) for k in range(2)]
+    torch.autograd.backward(outs, [g.to(torch.bfloat16).double() for g in gos])
+    assert max(rel(a, b.grad) for a, b in zip(grads, ref, strict=True)) < TOL[torch.bfloat16]
+    assert rel(du.sum(0), ref_u.grad) < TOL[torch.bfloat16]
+
+
 def test_backward_tolerates_rounding_of_forward_statistics():
     """On a GPU the backward recomputes the logits in another reduction order, and the forward's lse and r carry
     approximate exp, log and rsqrt: the backward sees them a few ulp off. Perturbed so, a sharp softmax's source
@@ -283,7 +313,7 @@ def kind(name):
     if name == "table":
         return "*i64"
     if name.endswith("_ptr"):
-        return "*bf16" if name in ("out0_ptr", "out1_ptr", "gout0_ptr", "gout1_ptr") else "*fp32"
+        return "*bf16" if name in ("out0_ptr", "out1_ptr", "gout_ptr") else "*fp32"
     return "fp32" if name == "eps" else "i32"
 
 extra = {tr._forward_kernel: ("forward", {}),
