@@ -513,7 +513,7 @@ def _gradient_offsets(grad_out: Sequence[Tensor], d: int) -> tuple[Tensor, Tenso
     """Query 0's and the last query's gradients (contiguous, in query 0's dtype; keep both alive until launch) and
     where the last starts relative to the first, in rows of d and elements: the kernels read it at
     gout + (G1R + row) * D + G1E. That address, rather than a second pointer, keeps the gradient kernel's loop
-    scheduled as when both gradients shared one buffer: 17-20 % faster at d = 1024 on an H200 (benchmarks/NOTES.md,
+    scheduled as when both gradients shared one buffer: about 20 % faster at d = 1024 on an H200 (benchmarks/NOTES.md,
     v24)."""
     first = grad_out[0].contiguous()
     last = grad_out[-1].to(first.dtype).contiguous()
