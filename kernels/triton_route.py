@@ -297,7 +297,7 @@ def _apply_rows(
     BH: tl.constexpr, BDH: tl.constexpr, KIND: tl.constexpr, ALIGN: tl.constexpr, Q: tl.constexpr,
 ):  # fmt: skip
     """Write dv_n for rows first.. first + count - 1 of source n (of kind KIND); return their sums of q v_n,
-    one per query."""
+    one per query. Query 1's gradient row is at gout_ptr + (G1R + row) * D + G1E (see `_gradient_offsets`)."""
     hmask = h < H
     du0 = tl.zeros([BH, BDH], tl.float32)
     du1 = du0
