@@ -103,15 +103,13 @@ class _Route(torch.autograd.Function):
     def forward(ctx, u: Tensor, heads: int, eps: float, counts: list[int], *sources: Tensor):
         out, lse, rms = route(list(sources), u, heads, eps, counts)
         ctx.save_for_backward(lse, rms, u, *sources)
-        ctx.out_meta = (out[0].shape, out[0].dtype)
         ctx.heads, ctx.counts = heads, counts
         return *out, lse
 
     @staticmethod
-    def backward(ctx, *grad_outputs: Tensor | None):
+    def backward(ctx, *grad_outputs: Tensor):  # autograd gives an unused output a zero gradient (materialize_grads)
         *grad_out, grad_lse = grad_outputs
         lse, rms, u, *sources = ctx.saved_tensors
-        grad_out = [g if g is not None else lse.new_zeros(ctx.out_meta[0], dtype=ctx.out_meta[1]) for g in grad_out]
         *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts)
         return du_parts.sum(0), None, None, None, *grads
 
