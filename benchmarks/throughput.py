@@ -86,7 +86,8 @@ def profile(step, label: str) -> list[tuple[str, int, float]]:
     spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
 
     Returns every kernel as (name, calls, device ms), longest first; their sum well below the timed step means
-    the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time.
+    the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time, and so does
+    the optimizer's annotation on the GPU timeline ("Optimizer.step#AdamW.step", counted twice before v25).
     """
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
@@ -96,7 +97,11 @@ def profile(step, label: str) -> list[tuple[str, int, float]]:
     for sort_by in ("self_device_time_total", "self_cpu_time_total"):
         table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
         print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
-    kernels = [(e.key, e.count, e.self_device_time_total * 1e-3) for e in averages if e.device_type == DeviceType.CUDA]
+    kernels = [
+        (e.key, e.count, e.self_device_time_total * 1e-3)
+        for e in averages
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     return sorted(kernels, key=lambda k: -k[2])
 
 
