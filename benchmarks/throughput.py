@@ -100,7 +100,7 @@ def profile(step, label: str) -> list[tuple[str, int, float]]:
     kernels = [
         (e.key, e.count, e.self_device_time_total * 1e-3)
         for e in averages
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
     ]
     return sorted(kernels, key=lambda k: -k[2])
 
