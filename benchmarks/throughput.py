@@ -21,6 +21,11 @@ Each row's `phase_ms` splits a step into forward, backward and optimizer: the ho
 time between its boundaries. A phase whose GPU time is close to its host time (or the step's start) is where the
 GPU waited on the host.
 
+Tokens/s times each step on its own (a synchronise between steps, as a training loop that reads its loss every
+step does), so each step starts on an idle GPU and its first blocks may wait on the host. `tok_s_pipelined` times the
+same number of steps back to back with one synchronise at the end, where a host that keeps up never leaves the GPU
+idle: its ratio is close to the ratio of kernel time, and the gap between the two is host time.
+
 Each row's `host` records the CPU model and clock, usable cores, load and the process's threads before the timed
 steps: the same code has issued a step in 56 ms on one machine and 97 ms on another (benchmarks/NOTES.md, "Next").
 
@@ -199,6 +204,13 @@ def run(
         times.append(clock.events[0].elapsed_time(clock.events[-1]) * 1e-3)
         phases.append(clock.phases())
     peak = torch.cuda.max_memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):  # back to back: the host runs ahead, so a host that keeps up leaves the GPU no gaps
+        step()
+    end.record()
+    end.synchronize()
+    pipelined_s = start.elapsed_time(end) * 1e-3 / steps
     kernels = profile(step, f"{preset} {variant} {precision}") if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
     row = {
@@ -208,6 +220,7 @@ def run(
         "batch": BATCH[preset],
         "step_s": statistics.median(times),
         "tok_s": tokens / statistics.median(times),
+        "tok_s_pipelined": tokens / pipelined_s,
         "peak_gib": peak / 2**30,
         "compile_s": compile_s,
         "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
@@ -228,10 +241,10 @@ def run(
 
 def print_summary(rows: list[dict]) -> None:
     """One line per preset, precision and variant: medians over repeats, and ratios to `sum` of the same repeat
-    (their median, and their range when there are several repeats)."""
+    (their median, and their range when there are several repeats); `pipelined` is the ratio of back-to-back steps."""
     print(
         f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'range':>13} {'peak GiB':>9} "
-        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'compile s':>9}"
+        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'pipelined':>9} {'compile s':>9}"
     )
     keys = list(dict.fromkeys((r["preset"], r["precision"], r["variant"]) for r in rows))
     for preset, precision, variant in keys:
@@ -242,12 +255,14 @@ def print_summary(rows: list[dict]) -> None:
         paired = [(r, bases.get(r["repeat"], r)) for r in mine]
         speed = [r["tok_s"] / b["tok_s"] for r, b in paired]
         memory = [r["peak_gib"] / b["peak_gib"] for r, b in paired]
+        pipelined = [r["tok_s_pipelined"] / b["tok_s_pipelined"] for r, b in paired]
         spread = f"{min(speed):.3f}-{max(speed):.3f}" if len(speed) > 1 else ""
         print(
             f"{preset:>6} {precision:>9} {variant:>16} {statistics.median(r['tok_s'] for r in mine):9.0f} "
             f"{statistics.median(speed):6.3f} {spread:>13} {max(r['peak_gib'] for r in mine):9.2f} "
             f"{statistics.median(memory):6.3f} {statistics.median(r['step_s'] for r in mine) * 1e3:8.1f} "
-            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {mine[0]['compile_s']:9.1f}"
+            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {statistics.median(pipelined):9.3f} "
+            f"{mine[0]['compile_s']:9.1f}"
         )
 
 
