@@ -52,6 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gpu_idle  # beside this script
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -86,9 +87,10 @@ def allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, 1 << 16)
 
 
-def profile(step, label: str) -> list[tuple[str, int, float]]:
+def profile(step, label: str, trace: str | None = None) -> list[tuple[str, int, float]]:
     """Print the GPU time of one step per kernel and its host time per op (top 25 each), to see where a strategy
     spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
+    With `trace` (a folder), also write the step's chrome trace there and print where its GPU sat idle (`gpu_idle`).
 
     Returns every kernel as (name, calls, device ms), longest first; their sum well below the timed step means
     the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time, and so does
@@ -102,6 +104,11 @@ def profile(step, label: str) -> list[tuple[str, int, float]]:
     for sort_by in ("self_device_time_total", "self_cpu_time_total"):
         table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
         print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
+    if trace:
+        path = str(Path(trace) / f"{label.replace(' ', '_')}.json.gz")
+        prof.export_chrome_trace(path)
+        print(f"--- GPU idle time: {label} ({path})", flush=True)
+        gpu_idle.print_report(gpu_idle.analyse(gpu_idle.load_events(path)))
     kernels = [
         (e.key, e.count, e.self_device_time_total * 1e-3)
         for e in averages
@@ -160,6 +167,7 @@ def run(
     with_profile: bool = False,
     compiled_autograd: bool = False,
     options: dict | None = None,
+    trace: str | None = None,
 ) -> dict:
     cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
     name, kwargs = VARIANTS[variant]
@@ -173,16 +181,18 @@ def run(
     x, y = data[:, :-1], data[:, 1:]
 
     def step(clock: PhaseClock | None = None) -> None:
-        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
+        phase = gpu_idle.phase_range
+        with phase("forward"), torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         if clock:
             clock.mark()
-        with compiled_backward(compiled_autograd, options):
+        with phase("backward"), compiled_backward(compiled_autograd, options):
             loss.backward()
         if clock:
             clock.mark()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
     step()
@@ -211,7 +221,7 @@ def run(
     end.record()
     end.synchronize()
     pipelined_s = start.elapsed_time(end) * 1e-3 / steps
-    kernels = profile(step, f"{preset} {variant} {precision}") if with_profile else None
+    kernels = profile(step, f"{preset} {variant} {precision}", trace) if with_profile else None
     tokens = BATCH[preset] * SEQ_LEN
     row = {
         "preset": preset,
@@ -284,6 +294,7 @@ def run_in_child(args: argparse.Namespace, preset: str, precision: str, variant:
         cmd = [sys.executable, __file__, "--presets", preset, "--precisions", precision, "--variants", variant]
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--child", str(out)]
         cmd += ["--profile"] * args.profile + ["--compiled-autograd"] * args.compiled_autograd
+        cmd += ["--trace", args.trace] if args.trace else []
         for item in args.inductor:
             cmd += ["--inductor", item]
         subprocess.run(cmd, check=True)
@@ -300,6 +311,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument(
         "--profile", action="store_true", help="print each variant's GPU time per kernel (all kernels go to --out)"
+    )
+    parser.add_argument(
+        "--trace", default=None, metavar="DIR", help="with --profile: write each profiled step's chrome trace here"
     )
     parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times")
     parser.add_argument(
@@ -321,6 +335,10 @@ def main() -> None:
         inductor = inductor_options(INDUCTOR_OPTIONS | dict(inductor_option(item, parser) for item in args.inductor))
     except ValueError as error:
         parser.error(f"--inductor: {error}")
+    if args.trace and not args.profile:
+        parser.error("--trace needs --profile: it writes the profiled step's trace")
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: use 1 or more")
     precisions = args.precisions.split(",")
@@ -345,7 +363,7 @@ def main() -> None:
             f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
             flush=True,
         )
-    rows, settings = [], (args.steps, args.warmup, args.profile, args.compiled_autograd, inductor)
+    rows, settings = [], (args.steps, args.warmup, args.profile, args.compiled_autograd, inductor, args.trace)
     runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
     for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
         if in_process:
