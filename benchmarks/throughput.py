@@ -24,7 +24,7 @@ GPU waited on the host.
 Tokens/s times each step on its own (a synchronise between steps, as a training loop that reads its loss every
 step does), so each step starts on an idle GPU and its first blocks may wait on the host. `tok_s_pipelined` times the
 same number of steps back to back with one synchronise at the end, where a host that keeps up never leaves the GPU
-idle: its ratio is close to the ratio of kernel time, and the gap between the two is host time.
+idle: its ratio then follows the kernels' (back to back is not always faster: benchmarks/RESULTS.md, v26).
 
 Each row's `host` records the CPU model and clock, usable cores, load and the process's threads before the timed
 steps: the same code has issued a step in 56 ms on one machine and 97 ms on another (benchmarks/NOTES.md, "Next").
@@ -90,7 +90,8 @@ def allow_recompiles() -> None:
 def profile(step, label: str, trace: str | None = None) -> list[tuple[str, int, float]]:
     """Print the GPU time of one step per kernel and its host time per op (top 25 each), to see where a strategy
     spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
-    With `trace` (a folder), also write the step's chrome trace there and print where its GPU sat idle (`gpu_idle`).
+    With `trace` (a folder), also write the step's chrome trace there (`<label>.json.gz`, then `<label>-2.json.gz` for a
+    repeat) and print where its GPU sat idle (`gpu_idle`).
 
     Returns every kernel as (name, calls, device ms), longest first; their sum well below the timed step means
     the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time, and so does
@@ -105,10 +106,14 @@ def profile(step, label: str, trace: str | None = None) -> list[tuple[str, int, 
         table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
         print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
     if trace:
-        path = str(Path(trace) / f"{label.replace(' ', '_')}.json.gz")
-        prof.export_chrome_trace(path)
+        name, repeat = label.replace(" ", "_"), 1
+        path = Path(trace) / f"{name}.json.gz"
+        while path.exists():  # a repeat of the same run
+            repeat += 1
+            path = Path(trace) / f"{name}-{repeat}.json.gz"
+        prof.export_chrome_trace(str(path))
         print(f"--- GPU idle time: {label} ({path})", flush=True)
-        gpu_idle.print_report(gpu_idle.analyse(gpu_idle.load_events(path)))
+        gpu_idle.print_report(gpu_idle.analyse(gpu_idle.load_events(str(path))))
     kernels = [
         (e.key, e.count, e.self_device_time_total * 1e-3)
         for e in averages
