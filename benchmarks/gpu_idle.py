@@ -15,7 +15,7 @@ import argparse
 import collections
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,7 @@ class IdleReport:
     idle_us: dict[tuple[str, bool], float]  # by (phase, host-bound)
     gaps: list[Gap]
     host_ops_us: collections.Counter  # host op name -> us it overlapped host-bound gaps
-    runtime: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # name -> (calls, total us, max us)
+    runtime: dict[str, tuple[int, float, float]]  # name -> (calls, total us, longest us)
 
 
 def load_events(path: str) -> list[dict]:
