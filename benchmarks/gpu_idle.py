@@ -142,7 +142,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="rows per table")
     parser.add_argument("--min-gap-us", type=float, default=2.0, help="shorter gaps count as busy")
     args = parser.parse_args()
-    print_report(analyse(load_events(args.trace), args.min_gap_us), args.top)
+    try:
+        report = analyse(load_events(args.trace), args.min_gap_us)
+    except (OSError, ValueError, KeyError) as error:  # missing or unreadable file, not JSON, not a chrome trace
+        parser.error(f"{args.trace}: {error!r}; pass a chrome trace from torch.profiler's export_chrome_trace")
+    print_report(report, args.top)
 
 
 if __name__ == "__main__":
