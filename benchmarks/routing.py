@@ -9,6 +9,7 @@ the backward launcher alone (its two kernels and host work).
     python benchmarks/routing.py --apply-rows 32 --elems 8,16,32   # device time per kernel and launch shape
     python benchmarks/routing.py --merge-norm   # a merged read and its pre-norm, with the fused backward and without
     python benchmarks/routing.py --compare old/triton_route.py   # the installed kernels against other versions
+    python benchmarks/routing.py --merge-rows 8,16,32   # the merged read's backward kernel per rows a program
 """
 
 import argparse
@@ -206,6 +207,25 @@ def bench_merge_norm(bw: float) -> None:
     triton_merge.MIN_WARPS = 4
 
 
+def sweep_merge_rows(rows: str, bw: float) -> None:
+    """Device time of the merged read's fused backward kernel per `triton_merge.BACKWARD_ROWS` (rows a program), at
+    350m's and 1b's shapes (bf16 rows, H = 8), against its byte floor (5 rows: see `bench_merge_norm`)."""
+    default = triton_merge.BACKWARD_ROWS
+    for tokens, d in ((16384, 1024), (8192, 2048)):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        mix, source, go = (torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+        lse = torch.randn(tokens, 8, device="cuda", generator=gen)
+        u, weight = (1 + 0.1 * torch.randn(d, device="cuda", generator=gen) for _ in range(2))
+        _, stats = triton_merge.merge_norm_forward(mix, lse, source, u, weight, 8, 1e-6, 1e-6, torch.bfloat16)
+        floor = 5 * tokens * d * 2 / bw * 1e3
+        for n in map(int, rows.split(",")):
+            triton_merge.BACKWARD_ROWS = n  # read at each launch
+            times = kernel_times(lambda: triton_merge.merge_norm_backward(go, mix, source, u, weight, stats, 8))
+            ms = sum(times.values())
+            print(f"merge backward, {tokens} x {d}, {n} rows a program: {ms:.4f} ms ({floor / ms:.2f})", flush=True)
+    triton_merge.BACKWARD_ROWS = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8 * 2048)
@@ -218,6 +238,7 @@ def main() -> None:
     parser.add_argument("--elems", default="8,16,32", help="row-tile elements per thread to sweep with --apply-rows")
     parser.add_argument("--merge-norm", action="store_true", help="only time a merged read and its pre-norm")
     parser.add_argument("--compare", default=None, help="only time the kernels against these triton_route.py files")
+    parser.add_argument("--merge-rows", default=None, help="only time the merge backward per rows a program, e.g. 8,16")
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -228,6 +249,8 @@ def main() -> None:
         return bench_merge_norm(bw)
     if args.compare:
         return compare_kernels(args.compare.split(","), bw)
+    if args.merge_rows:
+        return sweep_merge_rows(args.merge_rows, bw)
     compiled_ref = torch.compile(reference.depth_route, dynamic=False)
     rows = []
     for d in (1024, 2048):
