@@ -249,17 +249,21 @@ def run(
         },
     }
     if kernels is not None:
-        row["gpu_busy"] = sum(k[2] for k in kernels) * 1e-3 / row["step_s"]  # of a timed step, the kernels' share
+        row["kernels_ms"] = sum(k[2] for k in kernels)  # device time of one profiled step's kernels
+        row["gpu_busy"] = row["kernels_ms"] * 1e-3 / row["step_s"]  # of a timed step, the kernels' share
         row["kernels"] = kernels
     return row
 
 
 def print_summary(rows: list[dict]) -> None:
     """One line per preset, precision and variant: medians over repeats, and ratios to `sum` of the same repeat
-    (their median, and their range when there are several repeats); `pipelined` is the ratio of back-to-back steps."""
+    (their median, and their range when there are several repeats). `pipelined` is the ratio of back-to-back steps;
+    `kernels` (with --profile) the ratio of one profiled step's kernel time, which no host speed moves; `opt host` is
+    the optimizer phase's host time, the same work in every variant: a high one marks a slow process, whose
+    synchronised ratio measures its host (benchmarks/RESULTS.md, v26)."""
     print(
         f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'range':>13} {'peak GiB':>9} "
-        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'pipelined':>9} {'compile s':>9}"
+        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'opt host':>8} {'pipelined':>9} {'kernels':>7} {'compile s':>9}"
     )
     keys = list(dict.fromkeys((r["preset"], r["precision"], r["variant"]) for r in rows))
     for preset, precision, variant in keys:
@@ -271,13 +275,16 @@ def print_summary(rows: list[dict]) -> None:
         speed = [r["tok_s"] / b["tok_s"] for r, b in paired]
         memory = [r["peak_gib"] / b["peak_gib"] for r, b in paired]
         pipelined = [r["tok_s_pipelined"] / b["tok_s_pipelined"] for r, b in paired]
+        by_kernels = [b["kernels_ms"] / r["kernels_ms"] for r, b in paired if "kernels_ms" in r and "kernels_ms" in b]
         spread = f"{min(speed):.3f}-{max(speed):.3f}" if len(speed) > 1 else ""
+        opt_host = statistics.median(r["phase_ms"]["optimizer host"] for r in mine)
+        kernel_ratio = f"{statistics.median(by_kernels):.3f}" if by_kernels else ""
         print(
             f"{preset:>6} {precision:>9} {variant:>16} {statistics.median(r['tok_s'] for r in mine):9.0f} "
             f"{statistics.median(speed):6.3f} {spread:>13} {max(r['peak_gib'] for r in mine):9.2f} "
             f"{statistics.median(memory):6.3f} {statistics.median(r['step_s'] for r in mine) * 1e3:8.1f} "
-            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {statistics.median(pipelined):9.3f} "
-            f"{mine[0]['compile_s']:9.1f}"
+            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {opt_host:8.2f} "
+            f"{statistics.median(pipelined):9.3f} {kernel_ratio:>7} {mine[0]['compile_s']:9.1f}"
         )
 
 
