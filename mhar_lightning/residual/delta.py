@@ -17,15 +17,12 @@ class DeltaMHAR(DepthRouter):
     the dtype of the sublayer outputs (bf16 under autocast, like MHAR's block sums and the embedding source;
     p itself stays fp32), which halves what every later routing call reads.
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
-    source is read once and its gradient written once per transformer block) and keeps the two mixes and their
-    log-sum-exps in the stream until the block's last write, as the route's own outputs: each read's gradient reaches
-    the route's backward as it is (a stacked [2, ..., d] mix cost a kernel a block that built its gradient:
-    benchmarks/NOTES.md, v23-v24).
-    The null source is the same vector in every row, so the route skips it and each read adds it through the
-    log-sum-exp (`merge_source`, exact), in traced ops fused with the gate and the pre-norm: the routing kernels read
-    one source fewer per call, and none at all in the first block, whose route is then the embedding alone.
+    source is read once and its gradient written once per transformer block) and keeps the two mixes in the
+    stream until the block's last write, as the route's two outputs: each read's gradient reaches the route's
+    backward as it is (a stacked [2, ..., d] mix cost a kernel a block that built its gradient: benchmarks/NOTES.md,
+    v23-v24).
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
-    transformer block the attention's and the MLP's mixes and log-sum-exps follow the block start.
+    transformer block the attention's and the MLP's mixes follow the block start.
     """
 
     def __init__(self, heads: int = 8, block_size: int = 4) -> None:
@@ -55,22 +52,20 @@ class DeltaMHAR(DepthRouter):
         return (embedding, embedding, self.null.to(source.dtype).expand_as(source), source)
 
     def enter(self, stream: Stream, l: int) -> Stream:
-        p, block_start, null, *sources = stream
-        mixes, lses = self.route_shared(sources, l, counts=(len(sources), len(sources)))
-        return (p, block_start, *mixes, *lses, null, *sources)
+        p, block_start, *sources = stream
+        mixes, _ = self.route_shared(sources, l, counts=(len(sources), len(sources)))
+        return (p, block_start, *mixes, *sources)
 
     def read(self, stream: Stream, l: int) -> Tensor:
-        p, _, mix_attn, mix_mlp, lse_attn, lse_mlp, *sources = stream
+        p, _, mix_attn, mix_mlp, *sources = stream
         self.record(sources, l)
-        mix, lse = (mix_attn, lse_attn) if self.site(l) == 0 else (mix_mlp, lse_mlp)
-        return p + self.gate[self.site(l)] * self.merge(mix, lse, sources[0], l)
+        return p + self.gate[self.site(l)] * (mix_attn, mix_mlp)[self.site(l)]
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        p, block_start, *rest = stream
+        p, block_start, mix_attn, mix_mlp, *sources = stream
         p = p + y
         if self.site(l) == 0:
-            return (p, block_start, *rest)
-        sources = rest[4:]  # past the two mixes and their log-sum-exps
+            return (p, block_start, mix_attn, mix_mlp, *sources)
         if (l + 1) % self.block_len == 0:
             return (p, p, *sources, (p - block_start).to(y.dtype))
         return (p, block_start, *sources)
