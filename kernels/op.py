@@ -21,7 +21,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from mhar_lightning.kernels import reference, triton_merge, triton_route
+from mhar_lightning.kernels import triton_merge, triton_route
 from mhar_lightning.kernels.reference import check_counts, check_heads
 from torch import Tensor
 
@@ -151,8 +151,6 @@ def depth_route_lse(
     leading sources each query reads (default: all).
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
-    When every query reads one source, the mix is that source and the log-sum-exp its logit, in traced ops that the
-    compiler fuses into their consumers: no kernel runs.
     """
     if len(sources) == 0:
         raise ValueError("depth routing needs at least one source")
@@ -166,11 +164,6 @@ def depth_route_lse(
     u = (query.float() * norm_weight.float()).reshape(-1, d)
     counts = check_counts(counts, len(u), len(sources))
     dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
-    if max(counts) == 1:  # a softmax over one source gives it weight 1: the mix is that source, and no kernel runs
-        pairs = zip(query.reshape(-1, d), norm_weight.reshape(-1, d), strict=True)
-        lses = tuple(reference.depth_logits(sources[:1], q, g, heads, eps)[..., 0] for q, g in pairs)
-        mixes = (sources[0].to(dtype),) * len(lses)
-        return (mixes, lses) if query.dim() == 2 else (mixes[0], lses[0])
     mixes, lses = [], []
     for first in range(0, len(u), triton_route.MAX_QUERIES):
         chunk = counts[first : first + triton_route.MAX_QUERIES]
