@@ -132,7 +132,7 @@ def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
     """A training step with its backward captured by compiled autograd gives eager autograd's gradients (the
     embedding's summed over the routing calls that read it). One layer, the fused routing op (interpreted; the
     reference op is many nodes to trace), and the captured graphs run as traced, not through Inductor: capture is
-    slow on a CPU."""
+    slow on a CPU. On a machine with a GPU the step runs there, as the interpreter is off."""
     combo = []  # Inductor's combo-kernel option as each captured graph is compiled: on, the kit's default
 
     def compile_as_traced(graph, inputs):
@@ -145,7 +145,9 @@ def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
     for compiled in (False, True):
         model = tiny_model(compiled_autograd=compiled, model_overrides={"n_layers": 1})
         recorder = GradientRecorder()
-        trainer(tmp_path, max_steps=1, limit_val_batches=0, callbacks=[recorder]).fit(model, datamodule=tiny_data())
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+        run = trainer(tmp_path, accelerator=accelerator, max_steps=1, limit_val_batches=0, callbacks=[recorder])
+        run.fit(model, datamodule=tiny_data())
         grads.append(recorder.grads)
     assert torch._dynamo.utils.counters["compiled_autograd"]["compiles"] > 0  # the backward was captured
     assert combo and all(combo)

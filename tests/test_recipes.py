@@ -21,8 +21,8 @@ EXPECTED_LEAVES = {
     for v in ("sum", "attnres", "mhar", "mhar-full", "attnres-full")
 }
 EXPECTED_LEAVES |= {f"sweeps/heads-{h}.yaml" for h in (1, 2, 4, 8, 16)}
-CPU_ONLY = (
-    []
+ONE_DEVICE = (  # one GPU as the recipe's precision asks (the FSDP recipes ask for 8), else the CPU in fp32
+    ["--trainer.devices", "1"]
     if torch.cuda.is_available()
     else ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true"]
 )
@@ -39,7 +39,7 @@ def user_files(recipe: Path) -> list[str]:
 
 def instantiate(recipe: Path, tmp_path: Path) -> MharCLI:
     """Model, data and trainer of `recipe`, as `mhar fit --config recipe` builds them, without running."""
-    args = ["--config", str(recipe), "--trainer.default_root_dir", str(tmp_path), *CPU_ONLY, *user_files(recipe)]
+    args = ["--config", str(recipe), "--trainer.default_root_dir", str(tmp_path), *ONE_DEVICE, *user_files(recipe)]
     return MharCLI(args=args, run=False)
 
 
