@@ -1,404 +1,319 @@
-"""Training-step throughput and peak memory of each residual strategy, as a ratio to `sum` in the same run.
+"""Training throughput and peak memory of recipes, measured through `mhar fit`'s own path.
 
-Every step is forward, backward and a fused AdamW step on one fixed batch in bf16, with each transformer
-block compiled on its own with the kit's Inductor options (`compile_blocks`). Two precision protocols:
-`autocast` (fp32 weights under bf16 autocast, as `precision: bf16-mixed` trains; the residual stream stays
-fp32) and `fsdp-bf16` (FSDP2 on one GPU with bf16 compute weights and fp32 gradient reduction, as the 1b and
-8b recipes train; FSDP2's hooks add host time). Tokens/s is the median over the timed steps; peak memory is
-`torch.cuda.max_memory_allocated` over them; host ms is the median time Python takes to issue a step (close
-to the step time means the GPU waits on the host).
+Each recipe runs as `mhar fit --config RECIPE` runs it: the same `MharCLI`, `LanguageModel`, `TokenDataModule`,
+Trainer, callbacks and progress bar, on a prepared folder of random tokens of the recipe's tokenizer (so no corpus
+is needed). After `--warmup` steps (the compile happens in the first) the next `--steps` steps are timed between
+two device synchronisations; peak memory is `torch.cuda.max_memory_allocated` over those steps. Ratios are to the
+first recipe of the list, in the same run.
 
-    python benchmarks/throughput.py [--presets 100m,350m,1b] [--precisions autocast,fsdp-bf16] [--out results.json]
+    python benchmarks/throughput.py recipes/pretrain/350m-sum.yaml recipes/pretrain/350m-mhar.yaml \\
+        [--steps 30] [--warmup 10] [--bare] [--probes] [--set model.compiled_autograd=false] [--out rows.json]
 
-`--compiled-autograd` captures each step's backward as one compiled graph (torch's compiled autograd), so the
-gradient sums of sources read by several routing calls can fuse and the autograd engine's per-node host work
-goes; it applies to every variant of the run, `sum` included.
+`--bare` also times each recipe's model in a hand-written loop (the same `LanguageModel`, data, optimizer,
+schedule, clipping, precision and compile settings, without the Trainer): the Trainer's own cost is the ratio of
+the two. `--probes` times one call of each depth-probe callback after the timed steps, as a share of the steps
+between its calls. `--set KEY=VALUE` passes `--KEY VALUE` to every run.
 
-`--inductor KEY=VALUE` overrides one of those options (`parallel.INDUCTOR_OPTIONS`) or adds another, for the
-blocks and the compiled-autograd graphs of every variant; `--inductor combo_kernels=False` is the Inductor default.
-
-Each row's `phase_ms` splits a step into forward, backward and optimizer: the host's time to issue each and the GPU
-time between its boundaries. A phase whose GPU time is close to its host time (or the step's start) is where the
-GPU waited on the host.
-
-Tokens/s times each step on its own (a synchronise between steps, as a training loop that reads its loss every
-step does), so each step starts on an idle GPU and its first blocks may wait on the host. `tok_s_pipelined` times the
-same number of steps back to back with one synchronise at the end, where a host that keeps up never leaves the GPU
-idle: its ratio then follows the kernels' (back to back is not always faster: benchmarks/RESULTS.md, v26).
-
-Each row's `host` records the CPU model and clock, usable cores, load and the process's threads before the timed
-steps: the same code has issued a step in 56 ms on one machine and 97 ms on another (benchmarks/NOTES.md, "Next").
-
-`--repeats R` runs the whole list R times (each model rebuilt; compiles then come from the cache) and reports
-each ratio as the median over the repeats of the variant against `sum` of the same repeat, with its range:
-between runs the `sum` step alone moves by about 1.5 % (benchmarks/RESULTS.md, v10).
-
-Each run has a fresh Python process, as a training job does: in one process, 350m delta-MHAR issued its steps in
-121 ms after full MHAR had run, and in 54 ms first, with every phase (the optimizer's too) about 2.3x slower
-(benchmarks/RESULTS.md, v22). `--one-process` runs them all in this one, as before.
+Every run has its own process. Up to `--parallel` of them compile and warm up at the same time (compilation is
+host work), then they take turns for their timed steps, so no run is timed while another uses the machine.
 """
 
 import argparse
-import ast
-import gc
-import itertools
+import contextlib
+import fcntl
 import json
 import os
-import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import gpu_idle  # beside this script
+import lightning as L
+import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-import triton
-from torch._dynamo.utils import counters
-from torch.autograd import DeviceType
-from torch.distributed.device_mesh import init_device_mesh
+from mhar_lightning.callbacks.base import ProbeCallback
+from mhar_lightning.callbacks.throughput import h200_peak
 
-from mhar_lightning.config import ModelConfig
-from mhar_lightning.model import Decoder
-from mhar_lightning.parallel import INDUCTOR_OPTIONS, apply_fsdp, compile_blocks, compiled_backward, inductor_options
-from mhar_lightning.residual import make_residual
-
-SEQ_LEN = 2048
-BATCH = {"100m": 16, "350m": 8, "1b": 4}
-VARIANTS = {  # in run order: the ones with targets first
-    "sum": ("sum", {}),
-    "mhar-h8-block8": ("mhar", {"heads": 8, "blocks": 8}),
-    "mhar-h8-full": ("mhar", {"heads": 8, "blocks": None}),
-    "delta-mhar-h8": ("delta-mhar", {"heads": 8}),
-    "attnres-block8": ("attnres", {"blocks": 8}),
-}
+from mhar_lightning.cli import MharCLI
+from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
+from mhar_lightning.optim import build_optimizer
+from mhar_lightning.parallel import compiled_backward
+from mhar_lightning.tokenizer import load_tokenizer
 
 
-def allow_recompiles() -> None:
-    """Full routing gives every block its own stream length, so each block compiles its own graph."""
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1024)
-    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1 << 16)
+def random_corpus(directory: Path, tokenizer_name: str, tokens: int) -> Path:
+    """A prepared folder of uniformly random token ids (train and val splits) for `tokenizer_name`."""
+    tokenizer = load_tokenizer(tokenizer_name)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype, rng = token_dtype(tokenizer.vocab_size), np.random.default_rng(0)
+    splits = {}
+    for split, count in (("train", tokens), ("val", max(tokens // 16, 1 << 16))):
+        writer = ShardWriter(directory, split, dtype, shard_tokens=1 << 27)
+        writer.write(rng.integers(0, tokenizer.vocab_size, count))
+        splits[split] = writer.close()
+    documents = dict.fromkeys(splits, 1)
+    ShardIndex(TokenizerInfo.of(tokenizer), dtype.name, splits, documents, {"source": "random"}).save(directory)
+    return directory
 
 
-def profile(step, label: str, trace: str | None = None) -> list[tuple[str, int, float]]:
-    """Print the GPU time of one step per kernel and its host time per op (top 25 each), to see where a strategy
-    spends its overhead (the host table runs under the profiler's own per-op cost: compare strategies, not steps).
-    With `trace` (a folder), also write the step's chrome trace there (`<label>.json.gz`, then `<label>-2.json.gz` for a
-    repeat) and print where its GPU sat idle (`gpu_idle`).
+class Turns:
+    """Runs started together on one machine: each waits until all are warm (or gone), then times its steps holding
+    a lock, so that no run is timed while another compiles or trains."""
 
-    Returns every kernel as (name, calls, device ms), longest first; their sum well below the timed step means
-    the GPU waited on the host. Only kernels count: the ops that launch them carry the same device time, and so does
-    the optimizer's annotation on the GPU timeline ("Optimizer.step#AdamW.step", counted twice before v25).
-    """
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
-    for sort_by in ("self_device_time_total", "self_cpu_time_total"):
-        table = averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=60)
-        print(f"--- profile ({sort_by}): {label}\n{table}", flush=True)
-    if trace:
-        name, repeat = label.replace(" ", "_"), 1
-        path = Path(trace) / f"{name}.json.gz"
-        while path.exists():  # a repeat of the same run
-            repeat += 1
-            path = Path(trace) / f"{name}-{repeat}.json.gz"
-        prof.export_chrome_trace(str(path))
-        print(f"--- GPU idle time: {label} ({path})", flush=True)
-        gpu_idle.print_report(gpu_idle.analyse(gpu_idle.load_events(str(path))))
-    kernels = [
-        (e.key, e.count, e.self_device_time_total * 1e-3)
-        for e in averages
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-    ]
-    return sorted(kernels, key=lambda k: -k[2])
+    def __init__(self, directory: str, members: list[int], me: int) -> None:
+        self.directory, self.members, self.me = Path(directory), members, me
+        self._lock = None
+
+    def mark(self, state: str) -> None:
+        (self.directory / f"{self.me}.{state}").touch()
+
+    def acquire(self) -> None:
+        self.mark("ready")
+        while any(
+            not (self.directory / f"{i}.ready").exists() and not (self.directory / f"{i}.gone").exists()
+            for i in self.members
+        ):
+            time.sleep(0.5)
+        self._lock = open(self.directory / "lock", "w")  # noqa: SIM115 - released in release()
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
 
 
-def host_facts() -> dict:
-    """What may make one machine's host slower than another's at issuing the same step: CPU model and mean clock,
-    the cores this process may use, the load, and this process's threads (Linux; fields it cannot read are left out).
-    """
-    facts = {"cores": len(os.sched_getaffinity(0)), "load": os.getloadavg()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        facts["threads"] = len(os.listdir("/proc/self/task"))
-    except OSError:
-        return facts
-    if model := re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE):
-        facts["cpu"] = model.group(1).strip()
-    if clocks := re.findall(r"^cpu MHz\s*:\s*([\d.]+)$", cpuinfo, re.MULTILINE):
-        facts["mhz"] = round(statistics.mean(map(float, clocks)))
-    return facts
+class Window(L.Callback):
+    """Time the optimizer steps `warmup + 1 .. warmup + steps` of a Trainer run; optionally time the probes."""
+
+    def __init__(self, warmup: int, steps: int, turns: Turns, probes: bool) -> None:
+        self.warmup, self.steps, self.turns, self.probes = warmup, steps, turns, probes
+        self.result: dict = {}
+        self._t0 = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self.warmup:
+            torch.cuda.synchronize()
+            self.turns.acquire()
+            torch.cuda.reset_peak_memory_stats()
+            self._t0 = time.perf_counter()
+        elif step == self.warmup + self.steps:
+            torch.cuda.synchronize()
+            self.result["seconds"] = time.perf_counter() - self._t0
+            self.result["peak_bytes"] = torch.cuda.max_memory_allocated()
+            if self.probes:
+                self.result["probe_s"] = time_probes(trainer, pl_module)
+            self.turns.release()
 
 
-class PhaseClock:
-    """Host and GPU time of each phase of a step: a host timestamp and a CUDA event at each phase boundary."""
-
-    PHASES = ("forward", "backward", "optimizer")
-
-    def __init__(self) -> None:
-        self.host: list[float] = []
-        self.events: list[torch.cuda.Event] = []
-        self.mark()
-
-    def mark(self) -> None:
-        self.events.append(torch.cuda.Event(enable_timing=True))
-        self.events[-1].record()
-        self.host.append(time.perf_counter())
-
-    def phases(self) -> dict[str, list[float]]:
-        """Per phase, ms the host took to issue it and ms between its boundaries on the GPU (once synchronised)."""
-        pairs = list(zip(range(len(self.host) - 1), range(1, len(self.host)), strict=True))
-        return {
-            "host": [(self.host[b] - self.host[a]) * 1e3 for a, b in pairs],
-            "gpu": [self.events[a].elapsed_time(self.events[b]) for a, b in pairs],
-        }
+def time_probes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+    """Seconds of one call of each probe callback (the second of two: the first warms its code paths up)."""
+    seconds = {}
+    for callback in trainer.callbacks:
+        if isinstance(callback, ProbeCallback):
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                callback.probe(trainer, pl_module)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            seconds[type(callback).__name__] = times[-1]
+    return seconds
 
 
-def run(
-    preset: str,
-    variant: str,
-    precision: str,
-    steps: int,
-    warmup: int,
-    with_profile: bool = False,
-    compiled_autograd: bool = False,
-    options: dict | None = None,
-    trace: str | None = None,
-) -> dict:
-    cfg = ModelConfig.preset(preset, max_seq_len=SEQ_LEN)
-    name, kwargs = VARIANTS[variant]
-    model = Decoder(cfg, make_residual(name, **kwargs)).cuda()
-    compile_blocks(model, options)
-    if precision == "fsdp-bf16":
-        apply_fsdp(model, init_device_mesh("cuda", (1,)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, cfg.vocab_size, (BATCH[preset], SEQ_LEN + 1), generator=gen).cuda()
-    x, y = data[:, :-1], data[:, 1:]
+def run_trainer(cli: MharCLI, window: Window) -> None:
+    """`mhar fit` as the CLI runs it, with the timing window added to the recipe's callbacks."""
+    cli.trainer.callbacks.append(window)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
-    def step(clock: PhaseClock | None = None) -> None:
-        phase = gpu_idle.phase_range
-        with phase("forward"), torch.autocast("cuda", torch.bfloat16, enabled=precision == "autocast"):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        if clock:
-            clock.mark()
-        with phase("backward"), compiled_backward(compiled_autograd, options):
+
+def run_bare(cli: MharCLI, warmup: int, steps: int, turns: Turns) -> dict:
+    """The recipe's model, data, optimizer, schedule and clipping in a hand-written loop: no Trainer, no callbacks."""
+    model, data = cli.model, cli.datamodule
+    if str(cli.trainer.precision) not in ("bf16-mixed", "32-true"):
+        raise SystemExit(f"--bare supports precision bf16-mixed or 32-true, not {cli.trainer.precision}")
+    model.configure_model()
+    model.cuda()
+    optimizer, scheduler = build_optimizer(model.decoder, model.optimizer_config, warmup + steps)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    autocast = torch.autocast("cuda", torch.bfloat16) if "bf16" in str(cli.trainer.precision) else None
+    result = {}
+    for step in range(1, warmup + steps + 1):
+        batch = next(batches).cuda(non_blocking=True)
+        with autocast or contextlib.nullcontext():
+            loss = model.loss(batch)
+        with compiled_backward(model.compiled_autograd, model.compile_options):
             loss.backward()
-        if clock:
-            clock.mark()
-        with phase("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    t0 = time.perf_counter()
-    step()
+        if model.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.decoder.parameters(), model.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == warmup:
+            torch.cuda.synchronize()
+            turns.acquire()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
     torch.cuda.synchronize()
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    graphs = counters["stats"]["unique_graphs"]
-    facts = host_facts()
-    times, host, phases = [], [], []
-    for _ in range(steps):
-        clock = PhaseClock()
-        step(clock)
-        clock.mark()
-        clock.events[-1].synchronize()
-        host.append(clock.host[-1] - clock.host[0])
-        times.append(clock.events[0].elapsed_time(clock.events[-1]) * 1e-3)
-        phases.append(clock.phases())
-    peak = torch.cuda.max_memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):  # back to back: the host runs ahead, so a host that keeps up leaves the GPU no gaps
-        step()
-    end.record()
-    end.synchronize()
-    pipelined_s = start.elapsed_time(end) * 1e-3 / steps
-    kernels = profile(step, f"{preset} {variant} {precision}", trace) if with_profile else None
-    tokens = BATCH[preset] * SEQ_LEN
-    row = {
-        "preset": preset,
-        "variant": variant,
-        "precision": precision,
-        "batch": BATCH[preset],
-        "step_s": statistics.median(times),
-        "tok_s": tokens / statistics.median(times),
-        "tok_s_pipelined": tokens / pipelined_s,
-        "peak_gib": peak / 2**30,
-        "compile_s": compile_s,
-        "host_s": statistics.median(host),  # Python's time to issue a step: near step_s means host-bound
-        "host_s_steps": host,
-        "graphs_compiled_in_timed_steps": counters["stats"]["unique_graphs"] - graphs,  # 0 unless recompiling
-        "host": facts,  # before the timed steps
-        "phase_ms": {  # medians: a phase whose GPU time is close to its host time waited on the host
-            f"{phase} {side}": statistics.median(p[side][i] for p in phases)
-            for i, phase in enumerate(PhaseClock.PHASES)
-            for side in ("host", "gpu")
-        },
-    }
-    if kernels is not None:
-        row["kernels_ms"] = sum(k[2] for k in kernels)  # device time of one profiled step's kernels
-        row["gpu_busy"] = row["kernels_ms"] * 1e-3 / row["step_s"]  # of a timed step, the kernels' share
-        row["kernels"] = kernels
-    return row
+    result["seconds"] = time.perf_counter() - start
+    result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    turns.release()
+    return result
 
 
-def print_summary(rows: list[dict]) -> None:
-    """One line per preset, precision and variant: medians over repeats, and ratios to `sum` of the same repeat
-    (their median, and their range when there are several repeats). `pipelined` is the ratio of back-to-back steps;
-    `kernels` (with --profile) the ratio of one profiled step's kernel time, which no host speed moves; `opt host` is
-    the optimizer phase's host time, the same work in every variant: a high one marks a slow process, whose
-    synchronised ratio measures its host (benchmarks/RESULTS.md, v26)."""
-    print(
-        f"{'preset':>6} {'precision':>9} {'variant':>16} {'tok/s':>9} {'x sum':>6} {'range':>13} {'peak GiB':>9} "
-        f"{'x sum':>6} {'step ms':>8} {'host ms':>8} {'opt host':>8} {'pipelined':>9} {'kernels':>7} {'compile s':>9}"
-    )
-    keys = list(dict.fromkeys((r["preset"], r["precision"], r["variant"]) for r in rows))
-    for preset, precision, variant in keys:
-        mine = [r for r in rows if (r["preset"], r["precision"], r["variant"]) == (preset, precision, variant)]
-        bases = {
-            r["repeat"]: r for r in rows if (r["preset"], r["precision"], r["variant"]) == (preset, precision, "sum")
-        }
-        paired = [(r, bases.get(r["repeat"], r)) for r in mine]
-        speed = [r["tok_s"] / b["tok_s"] for r, b in paired]
-        memory = [r["peak_gib"] / b["peak_gib"] for r, b in paired]
-        pipelined = [r["tok_s_pipelined"] / b["tok_s_pipelined"] for r, b in paired]
-        by_kernels = [b["kernels_ms"] / r["kernels_ms"] for r, b in paired if "kernels_ms" in r and "kernels_ms" in b]
-        spread = f"{min(speed):.3f}-{max(speed):.3f}" if len(speed) > 1 else ""
-        opt_host = statistics.median(r["phase_ms"]["optimizer host"] for r in mine)
-        kernel_ratio = f"{statistics.median(by_kernels):.3f}" if by_kernels else ""
-        print(
-            f"{preset:>6} {precision:>9} {variant:>16} {statistics.median(r['tok_s'] for r in mine):9.0f} "
-            f"{statistics.median(speed):6.3f} {spread:>13} {max(r['peak_gib'] for r in mine):9.2f} "
-            f"{statistics.median(memory):6.3f} {statistics.median(r['step_s'] for r in mine) * 1e3:8.1f} "
-            f"{statistics.median(r['host_s'] for r in mine) * 1e3:8.1f} {opt_host:8.2f} "
-            f"{statistics.median(pipelined):9.3f} {kernel_ratio:>7} {mine[0]['compile_s']:9.1f}"
-        )
-
-
-def inductor_option(item: str, parser: argparse.ArgumentParser) -> tuple[str, object]:
-    """`KEY=VALUE` as a torch._inductor.config entry (VALUE a Python literal, else a string)."""
-    key, sep, text = item.partition("=")
-    if not sep:
-        parser.error(f"--inductor {item}: use KEY=VALUE, e.g. combo_kernels=True")
+def child(spec: dict) -> dict:
+    """One run: build the recipe's CLI objects as `mhar fit` does, then time it in the Trainer or bare."""
+    turns = Turns(spec["turns"], spec["members"], spec["index"])
     try:
-        return key, ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return key, text
+        args = ["--config", spec["recipe"], *spec["args"], "--data.path", spec["corpus"]]
+        args += ["--trainer.max_steps", str(spec["warmup"] + spec["steps"]), "--trainer.default_root_dir", spec["root"]]
+        args += ["--checkpoint.save_last", "false", "--trainer.limit_val_batches", "0"]
+        cli = MharCLI(args=args, run=False)
+        if spec["bare"]:
+            result = run_bare(cli, spec["warmup"], spec["steps"], turns)
+        else:
+            window = Window(spec["warmup"], spec["steps"], turns, spec["probes"])
+            run_trainer(cli, window)
+            result = window.result
+        model, data = cli.model, cli.datamodule
+        tokens = spec["steps"] * data.batch_size * data.seq_len
+        flops = model.model_config.flops_per_token(data.seq_len) * tokens
+        peak = h200_peak(torch.device("cuda"), str(cli.trainer.precision))
+        return {
+            "recipe": spec["label"],
+            "loop": "bare" if spec["bare"] else "trainer",
+            "preset": model.hparams.preset,
+            "residual": model.residual.spec(),
+            "compile": model.compile_blocks,
+            "compiled_autograd": model.compiled_autograd,
+            "batch": data.batch_size,
+            "seq_len": data.seq_len,
+            "step_ms": result["seconds"] / spec["steps"] * 1e3,
+            "tok_s": tokens / result["seconds"],
+            "mfu": flops / result["seconds"] / peak if peak else None,
+            "peak_gib": result["peak_bytes"] / 2**30,
+            "probe_s": result.get("probe_s", {}),
+            "every_n_steps": {
+                type(c).__name__: c.every_n_steps for c in cli.trainer.callbacks if isinstance(c, ProbeCallback)
+            },
+        }
+    finally:
+        turns.release()
+        turns.mark("gone")
 
 
-def run_in_child(args: argparse.Namespace, preset: str, precision: str, variant: str) -> dict:
-    """`run` in a fresh Python process (this script with `--child`), so no earlier run's state slows it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, __file__, "--presets", preset, "--precisions", precision, "--variants", variant]
-        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--child", str(out)]
-        cmd += ["--profile"] * args.profile + ["--compiled-autograd"] * args.compiled_autograd
-        cmd += ["--trace", args.trace] if args.trace else []
-        for item in args.inductor:
-            cmd += ["--inductor", item]
-        subprocess.run(cmd, check=True)
-        return json.loads(out.read_text())
+def summary(rows: list[dict]) -> str:
+    """A Markdown table: each row against the first row of the same loop, preset and speed options."""
+    lines = [
+        "| recipe | loop | tokens/s | x first | MFU | step ms | peak GiB | x first | probes (% of steps) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    firsts = {}
+    for row in rows:
+        first = firsts.setdefault((row["loop"], row["preset"], row["compile"], row["compiled_autograd"]), row)
+        probes = ", ".join(
+            f"{name} {seconds * 1e3:.0f} ms ({share:.2f} %)"
+            for name, seconds in row["probe_s"].items()
+            for share in [100 * seconds / (row["every_n_steps"][name] * row["step_ms"] / 1e3)]
+        )
+        mfu = f"{row['mfu']:.3f}" if row["mfu"] else ""
+        name = row["recipe"].removeprefix("recipes/")
+        lines.append(
+            f"| {name} | {row['loop']} | {row['tok_s']:,.0f} | {row['tok_s'] / first['tok_s']:.3f} "
+            f"| {mfu} | {row['step_ms']:.1f} | {row['peak_gib']:.2f} | {row['peak_gib'] / first['peak_gib']:.3f} "
+            f"| {probes} |"
+        )
+    return "\n".join(lines)
+
+
+def flags(items: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`KEY=VALUE` items as command-line flags `--KEY VALUE`."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"{item}: use KEY=VALUE, e.g. model.compile=false")
+        out += [f"--{key}", value]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="100m,350m,1b")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--precisions", default="autocast", help="autocast and/or fsdp-bf16, comma-separated")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "recipes", nargs="*", help="recipe files, each optionally RECIPE:KEY=VALUE[:KEY=VALUE]; ratios are to the first"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=10, help="optimizer steps before the timed ones")
+    parser.add_argument("--bare", action="store_true", help="also time each recipe's model without the Trainer")
+    parser.add_argument("--probes", action="store_true", help="time one call of each depth-probe callback")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--KEY VALUE for every run")
+    parser.add_argument("--parallel", type=int, default=4, help="runs that compile at the same time")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument(
-        "--profile", action="store_true", help="print each variant's GPU time per kernel (all kernels go to --out)"
-    )
-    parser.add_argument(
-        "--trace", default=None, metavar="DIR", help="with --profile: write each profiled step's chrome trace here"
-    )
-    parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times")
-    parser.add_argument(
-        "--compiled-autograd",
-        action="store_true",
-        help="capture each backward whole (torch's compiled autograd), for every variant of the run",
-    )
-    parser.add_argument("--one-process", action="store_true", help="run every variant in this process")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run; its row goes to this file
-    parser.add_argument(
-        "--inductor",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override or add an Inductor option for every variant (repeatable), e.g. combo_kernels=False",
-    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    try:
-        inductor = inductor_options(INDUCTOR_OPTIONS | dict(inductor_option(item, parser) for item in args.inductor))
-    except ValueError as error:
-        parser.error(f"--inductor: {error}")
-    if args.trace and not args.profile:
-        parser.error("--trace needs --profile: it writes the profiled step's trace")
-    if args.trace:
-        os.makedirs(args.trace, exist_ok=True)
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: use 1 or more")
-    precisions = args.precisions.split(",")
-    unknown = set(precisions) - {"autocast", "fsdp-bf16"}
-    if unknown:
-        parser.error(f"unknown precision {sorted(unknown)}: use autocast and/or fsdp-bf16")
-    for name, given, known in (("preset", args.presets, BATCH), ("variant", args.variants, VARIANTS)):
-        unknown = sorted(set(given.split(",")) - set(known))
-        if unknown:
-            parser.error(f"unknown {name} {unknown}: use some of {','.join(known)}")
-    in_process = args.one_process or args.child is not None
-    if in_process:  # the process that builds and compiles the models
-        if "fsdp-bf16" in precisions:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-            dist.init_process_group("nccl", rank=0, world_size=1)
-        allow_recompiles()
-        torch.backends.cuda.matmul.allow_tf32 = True
-    if args.child is None:
-        print(
-            f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
-            f"MHAR_ROUTE_BACKEND={os.environ.get('MHAR_ROUTE_BACKEND', 'auto')}  inductor {inductor}",
-            flush=True,
-        )
-    rows, settings = [], (args.steps, args.warmup, args.profile, args.compiled_autograd, inductor, args.trace)
-    runs = [(p, c, v) for p in args.presets.split(",") for c in precisions for v in args.variants.split(",")]
-    for repeat, (preset, precision, variant) in itertools.product(range(args.repeats), runs):
-        if in_process:
-            row = run(preset, variant, precision, *settings)
-            gc.collect()  # the model and optimizer of `run` are garbage now: give their memory back
-            torch.cuda.empty_cache()
-            torch._dynamo.reset()
-        else:
-            row = run_in_child(args, preset, precision, variant)
-        row |= {"repeat": repeat, "compiled_autograd": args.compiled_autograd, "inductor": inductor}
-        rows.append(row)
-        if args.child is not None:
-            Path(args.child).write_text(json.dumps(row))
-            continue
-        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)  # the kernels go to --out
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
-    if args.child is None:
-        print_summary(rows)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if args.child:
+        spec = json.loads(Path(args.child).read_text())
+        Path(spec["out"]).write_text(json.dumps(child(spec)))
+        return
+    if not args.recipes:
+        parser.error("name at least one recipe")
+    if not torch.cuda.is_available():
+        parser.error("the throughput benchmark needs a CUDA GPU")
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1")
+    overrides = flags(args.set, parser)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  lightning {L.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpora, specs = {}, []
+        loops = [False, True] if args.bare else [False]
+        for bare in loops:
+            for item in args.recipes:
+                recipe, *sets = item.split(":")
+                spec = {"label": item, "recipe": recipe, "args": overrides + flags(sets, parser), "bare": bare}
+                specs.append(spec | {"probes": args.probes and not bare, "steps": args.steps, "warmup": args.warmup})
+        for index, spec in enumerate(specs):
+            probe = MharCLI(args=["--config", spec["recipe"], *spec["args"]], run=False).datamodule
+            per_run = (args.warmup + args.steps + 8) * probe.batch_size * (probe.seq_len + 1) * 2
+            key = probe.tokenizer_name
+            if key not in corpora:
+                corpora[key] = str(random_corpus(tmp / f"corpus{len(corpora)}", key, per_run))
+            wave = range(index - index % args.parallel, min(index - index % args.parallel + args.parallel, len(specs)))
+            spec |= {"corpus": corpora[key], "index": index, "members": list(wave), "turns": str(tmp / "turns")}
+            spec |= {"root": str(tmp / f"run{index}"), "out": str(tmp / f"row{index}.json")}
+        (tmp / "turns").mkdir()
+        rows = launch(specs, args.parallel, tmp)
+    print(summary(rows), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def launch(specs: list[dict], parallel: int, tmp: Path) -> list[dict]:
+    """Run every spec in its own process, in waves of `parallel` started together; rows in the order of `specs`."""
+    failed = []
+    for first in range(0, len(specs), parallel):
+        running = []
+        for spec in specs[first : first + parallel]:
+            path = tmp / f"spec{spec['index']}.json"
+            path.write_text(json.dumps(spec))
+            running.append((subprocess.Popen([sys.executable, __file__, "--child", str(path)]), spec))
+        for process, spec in running:
+            if process.wait():
+                failed.append(spec["recipe"])
+                (Path(spec["turns"]) / f"{spec['index']}.gone").touch()
+    if failed:
+        print(f"failed: {failed}", file=sys.stderr, flush=True)
+    rows = [json.loads(Path(s["out"]).read_text()) for s in specs if Path(s["out"]).exists()]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -6,12 +6,16 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe
+
+_SHARED_MAPS = "_mhar_depth_maps"
+"""Trainer attribute holding (step, module, maps) of the latest probe, so that the callbacks run one forward a step."""
 
 
 class ProbeCallback(L.Callback, ABC):
@@ -57,17 +61,34 @@ class ProbeCallback(L.Callback, ABC):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step != self._last_step:
             self.probe(trainer, pl_module)
+        if self._has_routers(pl_module):
+            maps = self._maps(trainer, pl_module)
+            if trainer.is_global_zero:
+                self.write_final(trainer, maps, trainer.global_step)
 
     def probe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Run the probe on every rank, average over ranks, write on rank 0."""
         self._last_step = trainer.global_step
         if not self._has_routers(pl_module):
             return
-        tokens = self._probe_tokens(trainer, pl_module)
-        with trainer.precision_plugin.forward_context():
-            maps = run_probe(pl_module, tokens, reduce=lambda t: self._mean_over_ranks(trainer, pl_module, t))
+        maps = self._maps(trainer, pl_module)
         if trainer.is_global_zero:
             self.write(trainer, maps, trainer.global_step)
+
+    def write_final(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:
+        """Log what is too slow to draw at every probe, once at the end of training (rank 0; nothing by default)."""
+
+    def _maps(self, trainer: L.Trainer, pl_module: L.LightningModule) -> DepthMaps:
+        """This step's maps: probed once per step and model, and shared by every probe callback of the trainer."""
+        shared = getattr(trainer, _SHARED_MAPS, None)
+        if shared is not None and shared[0] == trainer.global_step and shared[1] is pl_module:
+            return shared[2]
+        tokens = self._probe_tokens(trainer, pl_module)
+        # Eager: a compiled model would otherwise compile every block again for the probe's no-grad capture.
+        with torch.compiler.set_stance("force_eager"), trainer.precision_plugin.forward_context():
+            maps = run_probe(pl_module, tokens, reduce=lambda t: self._mean_over_ranks(trainer, pl_module, t))
+        setattr(trainer, _SHARED_MAPS, (trainer.global_step, pl_module, maps))
+        return maps
 
     @staticmethod
     def _mean_over_ranks(trainer: L.Trainer, pl_module: L.LightningModule, t: Tensor) -> Tensor:

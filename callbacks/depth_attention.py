@@ -12,7 +12,8 @@ class DepthAttentionLogger(ProbeCallback):
 
     Every `every_n_steps` optimizer steps and at the end of training it logs, to TensorBoard:
 
-    - images `depth_attention/head_<h>` (one per head) and `depth_attention/mean`: site x source heatmaps;
+    - the image `depth_attention/mean`: the site x source heatmap of the head average (and at the end of training
+      `depth_attention/head_<h>`, one per head: drawing them at every probe would cost more than the probe);
     - scalars per site `depth_entropy/<site>` (nats, mean over heads), `depth_emb_weight/<site>` and
       `depth_recent_weight/<site>` (head-averaged weight on the embedding / on the site's latest source);
     - for delta-MHAR, `delta_gate/<site>` scalars and a `delta_gate/all` histogram of the per-sublayer gates;
@@ -46,16 +47,17 @@ class DepthAttentionLogger(ProbeCallback):
         log_scalars(trainer, metrics, step)
         writer = tensorboard(trainer)
         if writer is not None:
-            width = len(str(maps.heads - 1))
-            for h in range(maps.heads):
-                add_image(
-                    writer,
-                    f"depth_attention/head_{h:0{width}d}",
-                    to_image(depth_map_figure(maps, h, f" · step {step}")),
-                    step,
-                )
             add_image(writer, "depth_attention/mean", to_image(depth_map_figure(maps, None, f" · step {step}")), step)
             if maps.gates is not None:
                 writer.add_histogram("delta_gate/all", maps.gates, step)
         if self.save_npz:
             maps.save(self.log_dir / "depth_attention" / f"step_{step:07d}.npz")
+
+    def write_final(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:
+        writer = tensorboard(trainer)
+        if writer is None or maps.heads == 1:
+            return
+        width = len(str(maps.heads - 1))
+        for h in range(maps.heads):
+            image = to_image(depth_map_figure(maps, h, f" · step {step}"))
+            add_image(writer, f"depth_attention/head_{h:0{width}d}", image, step)

@@ -16,8 +16,9 @@ class HeadDisagreementProbe(ProbeCallback):
     - `head_js_query/<site>`: between the distributions the trained queries imply on their own: each head's
       query chunk (key gain folded in) against the probe's token-mean RMS-normalised source keys.
 
-    Both are logged as scalars and as a per-site bar chart image `head_js/per_site`. With one head (AttnRes)
-    heads cannot disagree: it logs 0 and says so once. Same schedule and probe batch as `DepthAttentionLogger`.
+    Both are logged as scalars, and at the end of training as a per-site bar chart image `head_js/per_site`. With
+    one head (AttnRes) heads cannot disagree: it logs 0 and says so once. Same schedule and probe batch (and forward)
+    as `DepthAttentionLogger`.
 
     Args:
         every_n_steps: optimizer steps between probes.
@@ -37,6 +38,8 @@ class HeadDisagreementProbe(ProbeCallback):
         metrics = {f"head_js/{site}": float(v) for site, v in zip(sites, captured)}
         metrics.update({f"head_js_query/{site}": float(v) for site, v in zip(sites, from_queries)})
         log_scalars(trainer, metrics, step)
+
+    def write_final(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:
         writer = tensorboard(trainer)
         if writer is not None:
             add_image(writer, "head_js/per_site", to_image(disagreement_figure(maps, f" · step {step}")), step)

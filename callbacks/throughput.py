@@ -1,8 +1,13 @@
-"""`TokenThroughputMonitor`: Lightning's `ThroughputMonitor` for [B, T + 1] token batches, ready for YAML."""
+"""`TokenThroughputMonitor`: tokens/s, FLOP/s and MFU of training, measured without stalling the GPU."""
+
+import time
+from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from mhar_lightning.callbacks.base import log_scalars
 from torch import Tensor
 
 H200_DENSE_PEAK = {"nvl": 835.5e12, "sxm": 989.4e12}
@@ -19,37 +24,107 @@ def batch_tokens(batch: Tensor) -> int:
     return batch.shape[0] * (batch.shape[1] - 1)
 
 
-class TokenThroughputMonitor(ThroughputMonitor):
-    """Tokens/s, samples/s, FLOP/s and MFU of training, from the LightningModule's `flops_per_batch`.
+class _Clock:
+    """Marks on the device's stream (CUDA events) or on the host clock (CPU), read without waiting for the device."""
 
-    Logged as `train/device/items_per_sec` (tokens/s per device), `train/device/samples_per_sec`,
-    `train/device/flops_per_sec` and `train/device/mfu` (plus `train/items_per_sec` etc. when world size > 1),
-    averaged over the last `window_size` steps, so nothing is logged before `window_size` steps.
-    `LanguageModel.flops_per_batch` = `ModelConfig.flops_per_token(T) * B * T` with
-    `flops_per_token = 6 * (matmul parameters, LM head included) + 12 * n_layers * d_model * T`
-    (PaLM/Chinchilla, causal-agnostic attention; depth routing is not counted).
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
 
-    MFU = achieved FLOP/s per device / peak FLOP/s of the device for the trainer's precision, the peak from
-    Lightning's table (`lightning.fabric.utilities.throughput.get_available_flops`): H100 SXM bf16 989.4e12
-    (dense). Lightning does not recognise the name "NVIDIA H200" (it expects "sxm1"/"nvl1" in it, and its H200
-    entries are the 2:4-sparse figures), so for H200 this callback uses the dense bf16/fp16 peak 989.4e12
-    (SXM) or 835.5e12 (NVL). `peak_flops` overrides the peak for any device.
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # recorded a whole window ago: long finished, so this does not stall the host
+        return start.elapsed_time(end) * 1e-3
+
+
+class TokenThroughputMonitor(L.Callback):
+    """Log tokens/s, samples/s, FLOP/s and MFU of training, each averaged over a window of `window_size` steps.
+
+    Lightning's `ThroughputMonitor` synchronises the GPU after every step, which takes away the host's lead over
+    the GPU and costs a compiled model several per cent of its speed. Here the window's ends are CUDA events on the
+    training stream, and a window is read one window later, when its end event has long completed, so measuring
+    never waits for the GPU. Logged on global rank 0 at the step that ends each window, as
+    `train/device/items_per_sec` (tokens/s per device), `train/device/samples_per_sec`,
+    `train/device/flops_per_sec` and `train/device/mfu`, plus `train/items_per_sec`, `train/samples_per_sec` and
+    `train/flops_per_sec` over all devices when there are several.
+
+    FLOPs come from the LightningModule's `flops_per_batch` (`LanguageModel`: `ModelConfig.flops_per_token(T) * B * T`,
+    `6 * matmul parameters + 12 * n_layers * d_model * T`; depth routing is not counted). MFU divides by the dense peak
+    of the device for the trainer's precision: Lightning's table, or the H200's dense bf16 peak (989.4e12 SXM,
+    835.5e12 NVL), which Lightning's table lacks; `peak_flops` overrides it for any device.
 
     Args:
-        window_size: steps in the rolling average.
+        window_size: optimizer steps per measured window.
         peak_flops: peak FLOP/s of one device (None: looked up as above; no MFU where unknown, e.g. CPU).
     """
 
     def __init__(self, window_size: int = 20, peak_flops: float | None = None) -> None:
-        super().__init__(batch_size_fn=batch_rows, length_fn=batch_tokens, window_size=window_size)
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        self.window_size = window_size
         self.peak_flops = peak_flops
+        self._clock: _Clock | None = None
+        self._marks: list[tuple[int, Any, int, int, float]] = []  # (step, mark, samples, tokens, flops) at window ends
+        self._samples = self._tokens = 0
+        self._flops = 0.0
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        peak = self.peak_flops or self.available_flops or h200_peak(trainer.strategy.root_device, trainer.precision)
-        self.available_flops = peak
-        for throughput in self._throughputs.values():
-            throughput.available_flops = peak
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock = _Clock(trainer.strategy.root_device)
+        self._samples = self._tokens = 0
+        self._flops = 0.0
+        self._marks = [(trainer.global_step, self._clock.mark(), 0, 0, 0.0)]
+        self._peak = self.peak_flops or device_peak(trainer.strategy.root_device, trainer)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._samples += batch_rows(batch)
+        self._tokens += batch_tokens(batch)
+        self._flops += float(getattr(pl_module, "flops_per_batch", 0) or 0)
+        step = trainer.global_step
+        if step == self._marks[-1][0] or step % self.window_size:
+            return
+        self._marks.append((step, self._clock.mark(), self._samples, self._tokens, self._flops))
+        if len(self._marks) > 2:  # the window before this one has surely finished on the device
+            self._log(trainer, *self._marks[-3:-1])
+            self._marks.pop(0)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if len(self._marks) > 1:
+            self._log(trainer, *self._marks[-2:])
+
+    def _log(self, trainer: L.Trainer, start: tuple, end: tuple) -> None:
+        seconds = self._clock.seconds(start[1], end[1])
+        if not trainer.is_global_zero or seconds <= 0:
+            return
+        samples, tokens, flops = ((e - s) / seconds for s, e in zip(start[2:], end[2:]))
+        metrics = {
+            "train/device/items_per_sec": tokens,
+            "train/device/samples_per_sec": samples,
+            "train/device/flops_per_sec": flops,
+        }
+        if self._peak:
+            metrics["train/device/mfu"] = flops / self._peak
+        if trainer.world_size > 1:
+            for name in ("items_per_sec", "samples_per_sec", "flops_per_sec"):
+                metrics[f"train/{name}"] = metrics[f"train/device/{name}"] * trainer.world_size
+        log_scalars(trainer, metrics, end[0])
+
+
+def device_peak(device: torch.device, trainer: L.Trainer) -> float | None:
+    """Dense peak FLOP/s of `device` at the trainer's compute dtype: Lightning's table, else the H200's."""
+    if device.type != "cuda":
+        return None
+    return get_available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin)) or h200_peak(
+        device, trainer.precision
+    )
 
 
 def h200_peak(device: torch.device, precision: str) -> float | None:

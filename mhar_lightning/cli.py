@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from mhar_lightning.callbacks import FinalStepCheckpoint
+from mhar_lightning.callbacks import FinalStepCheckpoint, StepProgressBar
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
@@ -140,10 +141,17 @@ class MharCLI(LightningCLI):
         return self.run_config.trainer.default_root_dir or os.getcwd()
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """Add the TensorBoard logger and the atomic checkpoint writer unless the config sets its own."""
+        """Add the TensorBoard logger, the atomic checkpoint writer and a progress bar that does not stall the GPU
+        every step, unless the config sets its own."""
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         plugins = trainer_config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):

@@ -2,11 +2,12 @@
 
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -42,6 +43,22 @@ def torch_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def compiled_autograd_unsupported(trainer: L.Trainer) -> str | None:
+    """Why compiled autograd cannot run under `trainer`'s strategy, or None where it can."""
+    strategy = trainer.strategy
+    if trainer.world_size == 1:
+        return None
+    if not isinstance(strategy, DDPStrategy):
+        name = type(strategy).__name__
+        return f"it runs in one process or under DDP, not under {name} across {trainer.world_size} ranks"
+    if strategy.root_device.type == "cuda" and torch_release() < DDP_GPU_COMPILED_AUTOGRAD_SINCE:
+        return (
+            "under DDP on GPUs it crashed with torch 2.11 (in DDP's compiled gradient hook, leaving the ranks hung) "
+            f"and this is torch {torch.__version__}"
+        )
+    return None
+
+
 class LanguageModel(L.LightningModule):
     """Causal language model training: fp32 chunked cross-entropy, AdamW groups, warmup + cosine/WSD.
 
@@ -62,7 +79,8 @@ class LanguageModel(L.LightningModule):
         compiled_autograd: run each backward through torch's compiled autograd: compiled graphs, with the gradient
             sums that routed strategies leave between routing calls, instead of the autograd engine's per-node host
             work. One process or DDP (whose gradient all-reduce then runs inside the captured graphs); refused
-            under FSDP2, where it left the root group's gradients unreduced (CPU, torch 2.13).
+            under FSDP2, where it left the root group's gradients unreduced (CPU, torch 2.13). `auto` (the GPU
+            recipes' setting) turns it on where it runs and off, with a message, where it does not.
         init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
@@ -81,7 +99,7 @@ class LanguageModel(L.LightningModule):
         activation_checkpointing: str = "none",
         compile: bool = False,
         compile_options: dict[str, Any] | None = None,
-        compiled_autograd: bool = False,
+        compiled_autograd: bool | Literal["auto"] = False,
         init_from: str | None = None,
         param_dtype: str = "bfloat16",
         reduce_dtype: str = "float32",
@@ -112,6 +130,7 @@ class LanguageModel(L.LightningModule):
         self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0
+        self._step_loss: Tensor | None = None
 
     def configure_model(self) -> None:
         """Build the decoder: sharded with FSDP2 under `ModelParallelStrategy`, whole otherwise (single device, DDP).
@@ -180,6 +199,7 @@ class LanguageModel(L.LightningModule):
         self.flops_per_batch = self.model_config.flops_per_token(seq_len) * batch_size * seq_len
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        self._step_loss = loss
         return loss
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -198,20 +218,14 @@ class LanguageModel(L.LightningModule):
             self.log("val/ppl", math.exp(min(float(loss), 50.0)))
 
     def check_strategy(self, trainer: L.Trainer) -> None:
-        """Refuse training settings that `trainer`'s strategy cannot run."""
-        strategy = trainer.strategy
-        if not self.compiled_autograd or trainer.world_size == 1:
-            return
-        if not isinstance(strategy, DDPStrategy):
-            raise ValueError(
-                f"compiled_autograd=true runs in one process or under DDP, not under {type(strategy).__name__}"
-                f" across {trainer.world_size} ranks; set model.compiled_autograd=false or trainer.strategy=ddp"
-            )
-        if strategy.root_device.type == "cuda" and torch_release() < DDP_GPU_COMPILED_AUTOGRAD_SINCE:
-            raise ValueError(
-                "compiled_autograd=true under DDP on GPUs crashed with torch 2.11 (in DDP's compiled gradient hook, "
-                f"leaving the ranks hung) and this is torch {torch.__version__}; set model.compiled_autograd=false"
-            )
+        """Refuse training settings that `trainer`'s strategy cannot run, and resolve `compiled_autograd="auto"`."""
+        reason = compiled_autograd_unsupported(trainer)
+        if self.compiled_autograd == "auto":
+            self.compiled_autograd = reason is None
+            if reason:
+                rank_zero_info(f"compiled_autograd=auto: off, as {reason}")
+        elif self.compiled_autograd and reason:
+            raise ValueError(f"compiled_autograd=true is refused: {reason}; set model.compiled_autograd=false")
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -222,8 +236,23 @@ class LanguageModel(L.LightningModule):
                 torch._dynamo.config.optimize_ddp = "python_reducer"
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.compiled_autograd and self._step_loss is not None:
+            loss = self._tensor_scaled(loss)
         with compiled_backward(self.compiled_autograd, self.compile_options):
             super().backward(loss, *args, **kwargs)
+        self._step_loss = None
+
+    def _tensor_scaled(self, loss: Tensor) -> Tensor:
+        """`loss` rebuilt as this step's own loss times a tensor factor, with the same value and gradients.
+
+        Lightning hands `backward` the step's loss divided by `accumulate_grad_batches`, a Python int. Compiled
+        autograd (torch 2.11, CUDA) lifts that saved scalar into the captured graph as an input and then calls
+        `.item()` on it, which fails for an int: every compiled-autograd step under the Trainer crashed in its
+        first backward. Scaling by a 0-d tensor instead leaves no Python scalar in the graph.
+        """
+        step_loss = self._step_loss.detach()
+        factor = torch.where(step_loss != 0, loss.detach() / step_loss, 1.0 / self.trainer.accumulate_grad_batches)
+        return self._step_loss * factor
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_clip > 0:

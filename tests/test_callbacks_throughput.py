@@ -1,16 +1,66 @@
-"""TokenThroughputMonitor: token counts of [B, T + 1] batches and the dense H200 peak Lightning lacks."""
+"""TokenThroughputMonitor: token counts of [B, T + 1] batches, windows read without waiting for the device, and the
+dense H200 peak Lightning lacks."""
 
+import lightning as L
 import pytest
 import torch
-from mhar_lightning.callbacks import PeakMemoryMonitor, TokenThroughputMonitor
+from lightning.pytorch.loggers import Logger
+from mhar_lightning.callbacks import PeakMemoryMonitor, TokenThroughputMonitor, throughput
 from mhar_lightning.callbacks.throughput import batch_rows, batch_tokens, h200_peak
+
+from mhar_lightning.data import TokenDataModule
+from mhar_lightning.module import LanguageModel
 
 
 def test_batches_count_rows_and_predicted_tokens():
     batch = torch.zeros(4, 129, dtype=torch.long)
     assert batch_rows(batch) == 4 and batch_tokens(batch) == 4 * 128
-    monitor = TokenThroughputMonitor()
-    assert monitor.batch_size_fn is batch_rows and monitor.length_fn is batch_tokens
+
+
+class MetricsLogger(Logger):
+    """Keeps every logged metric with its step."""
+
+    name, version = "memory", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def test_windows_of_steps_are_logged_one_window_late(tmp_path, monkeypatch):
+    """Seven steps in windows of two: each window's tokens, samples and FLOPs over its clock time, logged at the
+    step that ends it once the next window has ended (the last one at the end of training). The clock ticks one
+    second per mark, so each window lasts exactly one second."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: float(next(ticks)))
+    logger = MetricsLogger()
+    model = LanguageModel(preset="tiny", vocab_size=256, seq_len=16)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=7,
+        limit_val_batches=0,
+        logger=logger,
+        callbacks=[TokenThroughputMonitor(window_size=2)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=TokenDataModule(tokenizer="byte", seq_len=16, batch_size=4, val_samples=8))
+    windows = [(step, m) for step, m in logger.logged if "train/device/items_per_sec" in m]
+    assert [step for step, _ in windows] == [2, 4, 6]
+    flops = model.model_config.flops_per_token(16) * 4 * 16
+    for _, metrics in windows:
+        assert metrics["train/device/items_per_sec"] == 2 * 4 * 16
+        assert metrics["train/device/samples_per_sec"] == 2 * 4
+        assert metrics["train/device/flops_per_sec"] == 2 * flops
+        assert "train/device/mfu" not in metrics  # no known peak on a CPU
 
 
 @pytest.mark.parametrize(

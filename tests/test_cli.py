@@ -149,6 +149,6 @@ def test_compiled_autograd_under_fsdp2_is_one_line(tmp_path: Path, capsys) -> No
     assert code == 2
     last = err.strip().splitlines()[-1]
     assert last.startswith(
-        "mhar: error: compiled_autograd=true runs in one process or under DDP, not under ModelParallel"
+        "mhar: error: compiled_autograd=true is refused: it runs in one process or under DDP, not under ModelParallel"
     )
     assert not (tmp_path / "checkpoints").exists()

@@ -112,20 +112,25 @@ class GradientRecorder(L.Callback):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_compiled_autograd_under_ddp_on_gpus_is_refused_where_torch_crashed(monkeypatch, release, device) -> None:
     """On two H200s torch 2.11 crashed in DDP's compiled gradient hook and left the ranks hung: that combination gets
-    a one-line error at setup, while DDP on CPUs (which passed with 2.11 and 2.13) and later torch releases run."""
+    a one-line error at setup (and `auto` turns compiled autograd off), while DDP on CPUs (which passed with 2.11 and
+    2.13) and later torch releases run it."""
     monkeypatch.setattr(module, "torch_release", lambda: release)
     ddp = DDPStrategy(parallel_devices=[torch.device(device, 0), torch.device(device, 1)])
     run = SimpleNamespace(strategy=ddp, world_size=2)
-    if device == "cuda" and release < module.DDP_GPU_COMPILED_AUTOGRAD_SINCE:
+    supported = not (device == "cuda" and release < module.DDP_GPU_COMPILED_AUTOGRAD_SINCE)
+    if supported:
+        tiny_model(compiled_autograd=True).check_strategy(run)
+    else:
         with pytest.raises(
             ValueError,
-            match=r"^compiled_autograd=true under DDP on GPUs crashed with torch 2.11 .*"
+            match=r"^compiled_autograd=true is refused: under DDP on GPUs it crashed with torch 2.11 .*"
             r"set model.compiled_autograd=false$",
         ):
             tiny_model(compiled_autograd=True).check_strategy(run)
-    else:
-        tiny_model(compiled_autograd=True).check_strategy(run)
     tiny_model(compiled_autograd=False).check_strategy(run)
+    auto = tiny_model(compiled_autograd="auto")
+    auto.check_strategy(run)
+    assert auto.compiled_autograd is supported
 
 
 def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:

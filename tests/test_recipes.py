@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 from cli_helpers import REPO
-from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor
 from mhar_lightning.callbacks import FinalStepCheckpoint
 
 from mhar_lightning.cli import MharCLI, recipe_chain
@@ -75,7 +75,7 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     callbacks = {type(c).__name__: c for c in trainer.callbacks}
     assert {"DepthAttentionLogger", "HeadDisagreementProbe", "PeakMemoryMonitor"} <= callbacks.keys()
-    assert any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks)
+    assert "TokenThroughputMonitor" in callbacks and "StepProgressBar" in callbacks
     assert any(isinstance(c, LearningRateMonitor) for c in trainer.callbacks)
     assert isinstance(trainer.checkpoint_callback, FinalStepCheckpoint) and trainer.checkpoint_callback.save_last in (
         True,
@@ -85,6 +85,9 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     assert model.model_config.max_seq_len == data.seq_len
     assert model.model_config.vocab_size >= data.vocab_size and model.model_config.vocab_size % 64 == 0
 
+    sharded = recipe.parent.name == "fsdp"
+    gpu = recipe.name != "demo.yaml"  # every GPU recipe runs compiled; the CPU demo stays eager
+    assert (model.compile_blocks, model.compiled_autograd) == (gpu, "auto" if gpu and not sharded else False)
     if recipe.name == "demo.yaml":
         model.configure_model()
         assert model.decoder.embed.weight.device.type == "cpu"

@@ -1,0 +1,69 @@
+"""The recipes' speed options under `Trainer.fit` on a GPU: compiled blocks, compiled autograd, bf16 autocast and the
+fused optimizer give eager's first-step gradients and train on (skipped without CUDA)."""
+
+import lightning as L
+import pytest
+import torch
+
+from mhar_lightning.data import TokenDataModule
+from mhar_lightning.module import LanguageModel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RESIDUALS = {
+    "sum": "sum",
+    "mhar-block": {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 2}},
+    "delta-mhar": {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 2}},
+}
+
+
+class FirstGradients(L.Callback):
+    """A copy of every parameter's gradient after the first backward, and the losses of every step."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+        self.losses: list[float] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if not self.grads:
+            self.grads = {n: p.grad.detach().float().clone() for n, p in pl_module.named_parameters()}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit(tmp_path, residual, steps: int, **speed) -> FirstGradients:
+    torch.manual_seed(0)
+    model = LanguageModel(preset="tiny", residual=residual, vocab_size=256, seq_len=64, **speed)
+    recorder = FirstGradients()
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
+        callbacks=[recorder],
+    )
+    trainer.fit(model, datamodule=TokenDataModule(tokenizer="byte", seq_len=64, batch_size=8, val_samples=8))
+    return recorder
+
+
+@pytest.mark.parametrize("name", list(RESIDUALS))
+def test_compiled_trainer_step_gives_eager_gradients(tmp_path, name) -> None:
+    """Every speed option a GPU recipe turns on: the first step's gradients match eager ones (bf16 autocast:
+    relative error of each parameter's gradient), and ten steps lower the loss."""
+    eager = fit(tmp_path / "eager", RESIDUALS[name], steps=1)
+    fast = fit(tmp_path / "fast", RESIDUALS[name], steps=10, compile=True, compiled_autograd=True)
+    assert eager.grads.keys() == fast.grads.keys()
+    total = torch.stack([g.norm() for g in eager.grads.values()]).norm()
+    for param, reference in eager.grads.items():  # zero-initialised routing parameters may have zero gradients
+        error = (fast.grads[param] - reference).norm() / torch.maximum(reference.norm(), 1e-3 * total)
+        assert error < 3e-2, f"{param}: relative gradient error {error:.3g}"
+    assert all(map(torch.isfinite, map(torch.tensor, fast.losses)))
+    assert fast.losses[-1] < fast.losses[0]
