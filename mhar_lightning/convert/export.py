@@ -7,7 +7,7 @@ import torch
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import converted_state_dict, read_converted_config
-from mhar_lightning.convert.hf_llama import hf_names, model_config_to_hf_config
+from mhar_lightning.convert.hf_llama import copy_tokenizer_files, hf_names, model_config_to_hf_config
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
     ConversionError,
@@ -31,7 +31,7 @@ def export_hf(
 ) -> Path:
     """Write `LlamaForCausalLM`-loadable `config.json` + safetensors for a `sum` `Decoder` or converted checkpoint.
 
-    A converted checkpoint streams (one output shard resident) and keeps its source's token ids; an
+    A converted checkpoint streams (one output shard resident) and keeps its source's token ids and tokenizer files; an
     in-memory `Decoder` must hold full (not FSDP-sharded) parameters. `dtype` defaults to the weights'.
     """
     if isinstance(model_or_dir, Decoder):
@@ -54,4 +54,6 @@ def export_hf(
     write_sharded(out, entries, parse_size(max_shard_size))
     hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if not isinstance(model_or_dir, Decoder):
+        copy_tokenizer_files(model_or_dir, out)
     return out
