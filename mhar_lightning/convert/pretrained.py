@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.checkpoint import read_converted_config, residual_template
+from mhar_lightning.convert.checkpoint import CONFIG_FILE, read_converted_config, residual_template
 from mhar_lightning.convert.safetensors_io import ConversionError
 from mhar_lightning.residual import RESIDUALS, Residual, make_residual
 from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
@@ -29,6 +29,12 @@ def pretrained_model(
     `preset`, `residual` and `overrides` are what the user gave; each must agree with the directory (a
     contradiction is refused, naming both values). `vocab_size` is the data tokenizer's, which must fit the model's.
     """
+    if not (Path(init_from) / CONFIG_FILE).is_file():
+        hint = "a Hugging Face model: convert it first" if (Path(init_from) / "config.json").is_file() else "convert one"
+        raise ConversionError(
+            f"init_from={init_from} is not a converted checkpoint (it has no {CONFIG_FILE}); {hint} with "
+            "`mhar convert-hf SRC OUT --residual ...` and pass OUT"
+        )
     meta = read_converted_config(init_from)
     config = ModelConfig(**meta["model"])
     spec = meta["residual"]
