@@ -19,6 +19,7 @@ from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.config import VOCAB_MULTIPLE, padded_vocab
 from mhar_lightning.convert import check_data_tokenizer
 from mhar_lightning.data import ShardIndex, TokenDataModule
+from mhar_lightning.data.shards import INDEX_FILE
 from mhar_lightning.module import LanguageModel
 
 TOOLS: dict[str, tuple[str, str, str]] = {
@@ -234,7 +235,7 @@ def check_data(model: LanguageModel, datamodule: TokenDataModule) -> None:
     """Before any step: the prepared data must come from the requested tokenizer, and that tokenizer must be the one
     a converted model (`model.init_from`) ships."""
     try:
-        if datamodule.path is not None:
+        if datamodule.path is not None and (Path(datamodule.path) / INDEX_FILE).is_file():  # else setup names it
             ShardIndex.load(Path(datamodule.path)).check_tokenizer(datamodule.tokenizer, Path(datamodule.path))
         if model.init_from is not None:
             check_data_tokenizer(model.init_from, datamodule.tokenizer, datamodule.tokenizer_name)
