@@ -122,6 +122,7 @@ class LanguageModel(L.LightningModule):
         self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
+        self.hparams["model_config"] = self.model_config.to_dict()  # what tools (export-hf) rebuild the decoder from
         self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import REPO, scalars
-from hf_helpers import trained_llama, write_corpus
+from hf_helpers import trained_llama, transformers, write_corpus
 
 from mhar_lightning.cli import main
 from mhar_lightning.convert import load_decoder
@@ -153,3 +153,21 @@ def test_conversion_is_exact_in_training(source, tmp_path, residual):
     for name, param in ours.named_parameters():
         if "residual" not in name:
             torch.testing.assert_close(param.grad, theirs[hf_names(ours.config)[name]].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sum_midtraining_exports_back_to_transformers(converted, tmp_path):
+    root, hf, _, data = converted
+    conv, run, back = tmp_path / "conv", tmp_path / "run", tmp_path / "back"
+    assert mhar("convert-hf", root / "hf", conv, "--residual", "sum") == 0
+    assert mhar("fit", *fit_args(run, conv, data, max_steps=2), "--model.optimizer.lr", "1e-2") == 0
+    assert mhar("export-hf", run / "checkpoints" / "last.ckpt", back) == 0
+    exported = transformers.LlamaForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    trained = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    ours = load_decoder(conv)
+    ours.load_state_dict({name.removeprefix("decoder."): t for name, t in trained.items()})
+    batch = first_batch(conv, data)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(batch).logits, ours.eval()(batch), rtol=1e-5, atol=1e-5)
+        assert (exported(batch).logits - hf.eval()(batch).logits).abs().max() > 1e-3  # it did train
+    assert (back / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
+    assert exported.config.eos_token_id == hf.config.eos_token_id

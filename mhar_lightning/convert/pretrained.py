@@ -30,10 +30,10 @@ def pretrained_model(
     contradiction is refused, naming both values). `vocab_size` is the data tokenizer's, which must fit the model's.
     """
     if not (Path(init_from) / CONFIG_FILE).is_file():
-        hint = "a Hugging Face model: convert it first" if (Path(init_from) / "config.json").is_file() else "convert one"
+        what = "a Hugging Face model" if (Path(init_from) / "config.json").is_file() else "not a converted checkpoint"
         raise ConversionError(
-            f"init_from={init_from} is not a converted checkpoint (it has no {CONFIG_FILE}); {hint} with "
-            "`mhar convert-hf SRC OUT --residual ...` and pass OUT"
+            f"init_from={init_from} is {what} (it has no {CONFIG_FILE}): convert one with "
+            f"`mhar convert-hf SRC OUT --residual ...` and pass OUT"
         )
     meta = read_converted_config(init_from)
     config = ModelConfig(**meta["model"])
