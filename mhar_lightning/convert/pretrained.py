@@ -40,13 +40,13 @@ def pretrained_model(
     spec = meta["residual"]
     template = residual_template(spec["name"], **spec["args"])
     where = f"init_from={init_from}"
-    if preset is not None:
-        given = ModelConfig.preset(preset)
-        fields = [f for f in config.to_dict() if f not in RUN_FIELDS]
-        check_agree(f"model.preset={preset}", {f: getattr(given, f) for f in fields}, config, where)
     overrides = {f: v for f, v in (overrides or {}).items() if f not in RUN_FIELDS}
-    given = replace(config, **overrides)  # builds typed values (e.g. rope_scaling) the way the directory's are
-    check_agree("model.model_overrides", {f: getattr(given, f) for f in overrides}, config, where)
+    if preset is not None:  # a preset names every field
+        given, flag = ModelConfig.preset(preset, **overrides), f"model.preset={preset}"
+        fields = [f for f in config.to_dict() if f not in RUN_FIELDS]
+    else:  # typed values (e.g. rope_scaling) built the way the directory's are
+        given, flag, fields = replace(config, **overrides), "model.model_overrides", list(overrides)
+    check_agree(flag, {f: getattr(given, f) for f in fields}, config, where)
     if residual is not None:
         check_residual(residual, template, spec["name"], where)
     if vocab_size is not None and vocab_size > config.vocab_size:
