@@ -224,7 +224,8 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
     trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
         "tokenizer", "the tokenizer it was trained with"
     )
-    if vocab is not None and vocab not in (datamodule.vocab_size, padded_vocab(datamodule.vocab_size)):  # older: padded
+    # the tokenizer's vocabulary; checkpoints of earlier versions hold it rounded up (`padded_vocab`)
+    if vocab is not None and vocab not in (datamodule.vocab_size, padded_vocab(datamodule.vocab_size)):
         raise ConfigError(
             f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
             f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"

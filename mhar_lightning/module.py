@@ -105,7 +105,7 @@ class LanguageModel(L.LightningModule):
                 overrides["vocab_size"] = padded_vocab(vocab_size)
             if seq_len is not None:
                 overrides["max_seq_len"] = seq_len
-            self.model_config = ModelConfig.preset(preset or "tiny", **overrides)
+            self.model_config = ModelConfig.preset("tiny" if preset is None else preset, **overrides)
             self.residual = make_residual("sum" if residual is None else residual)
         with torch.device("meta"):  # a strategy that does not fit the model fails here, not mid-fit
             self.residual.spawn(self.model_config, range(2))

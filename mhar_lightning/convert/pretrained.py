@@ -40,7 +40,10 @@ def pretrained_model(
     spec = meta["residual"]
     template = residual_template(spec["name"], **spec["args"])
     where = f"init_from={init_from}"
-    overrides = {f: v for f, v in (overrides or {}).items() if f not in RUN_FIELDS}
+    overrides = dict(overrides or {})
+    run = {f: overrides.pop(f) for f in RUN_FIELDS if f in overrides}
+    if seq_len is not None:
+        run["max_seq_len"] = seq_len
     if preset is not None:  # a preset names every field
         given, flag = ModelConfig.preset(preset, **overrides), f"model.preset={preset}"
         fields = [f for f in config.to_dict() if f not in RUN_FIELDS]
@@ -54,9 +57,7 @@ def pretrained_model(
             f"data.tokenizer has {vocab_size} tokens but the model of {where} has a {config.vocab_size}-token "
             f"vocabulary: use the model's own tokenizer, --data.tokenizer {init_from}"
         )
-    if seq_len is not None:
-        config = replace(config, max_seq_len=seq_len)
-    return config, template
+    return replace(config, **run), template
 
 
 def check_agree(flag: str, given: Mapping[str, Any], config: ModelConfig, where: str) -> None:
