@@ -21,6 +21,15 @@ SEQ, BATCH = 32, 4
 DELTA = ["--residual", "delta-mhar", "--heads", "4", "--block-size", "2"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is faster than several competing for shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A trained Hugging Face Llama with a 300-token `tokenizers` vocabulary, and a JSONL corpus of its language."""
