@@ -203,7 +203,13 @@ def _from_directory(directory: Path) -> Tokenizer:
         return HFTokenizer(directory / "tokenizer.json", _eos_token(directory))
     for model in (directory / "tokenizer.model", directory / "original" / "tokenizer.model"):
         if model.is_file():
-            return _from_file(model)
+            try:
+                return _from_file(model)
+            except ValueError as error:  # e.g. a SentencePiece model (Llama 2), which is binary
+                raise ValueError(
+                    f"{model} is not a tiktoken rank file (SentencePiece models are not read): add the model's "
+                    f"tokenizer.json to {directory}"
+                ) from error
     raise FileNotFoundError(
         f"{directory} holds no tokenizer.json, tokenizer.model or original/tokenizer.model: pass a model directory "
         "that ships its tokenizer, or a tokenizer name"

@@ -170,3 +170,7 @@ def test_model_directory_eos_and_tiktoken_fallback(tmp_path):
     assert tok.fingerprint == load_tokenizer(str(llama3 / "tokenizer.model")).fingerprint
     with pytest.raises(FileNotFoundError, match="holds no tokenizer.json, tokenizer.model or original/tokenizer.model"):
         load_tokenizer(str(tmp_path))
+    (tmp_path / "spm").mkdir()
+    (tmp_path / "spm" / "tokenizer.model").write_bytes(b"\n\x0f\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")  # protobuf
+    with pytest.raises(ValueError, match="is not a tiktoken rank file .SentencePiece models are not read"):
+        load_tokenizer(str(tmp_path / "spm"))
