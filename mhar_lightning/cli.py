@@ -17,7 +17,10 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, StepProgressBar
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
-from mhar_lightning.data import TokenDataModule
+from mhar_lightning.config import VOCAB_MULTIPLE, padded_vocab
+from mhar_lightning.convert import check_data_tokenizer
+from mhar_lightning.data import ShardIndex, TokenDataModule
+from mhar_lightning.data.shards import INDEX_FILE
 from mhar_lightning.module import LanguageModel
 
 TOOLS: dict[str, tuple[str, str, str]] = {
@@ -46,17 +49,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 }
 """Subcommands that are not Trainer methods: name -> (module, function taking argv, help)."""
 
-VOCAB_MULTIPLE = 64
 BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
 
 
 class ConfigError(ValueError):
     """A configuration that must not start training; the message names the fix."""
-
-
-def padded_vocab(tokenizer_vocab: int) -> int:
-    """Model vocabulary for a tokenizer: rounded up to a multiple of 64 for fast matmuls (50257 -> 50304)."""
-    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 class MharCLI(LightningCLI):
@@ -108,7 +105,7 @@ class MharCLI(LightningCLI):
         parser.add_lightning_class_args(FinalStepCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
         parser.link_arguments("data.seq_len", "model.seq_len")
-        parser.link_arguments("data.vocab_size", "model.vocab_size", compute_fn=padded_vocab, apply_on="instantiate")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     @property
     def run_config(self):
@@ -135,6 +132,7 @@ class MharCLI(LightningCLI):
         except ValueError as error:
             raise ConfigError(str(error)) from error
         check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
+        check_data(self.model, self.datamodule)
 
     @property
     def root_dir(self) -> str:
@@ -175,7 +173,7 @@ def linked_field_error(field: str, value: object = None) -> str:
     if "vocab_size" in field:
         return (
             f"model.{field}{given} cannot be set: the vocabulary comes from data.tokenizer (rounded up to a multiple "
-            f"of {VOCAB_MULTIPLE}); remove it and choose the tokenizer with --data.tokenizer"
+            f"of {VOCAB_MULTIPLE}) or from model.init_from; remove it and choose the tokenizer with --data.tokenizer"
         )
     return (
         f"model.{field}{given} cannot be set: the sequence length comes from data.seq_len;"
@@ -234,11 +232,24 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
     trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
         "tokenizer", "the tokenizer it was trained with"
     )
-    if vocab is not None and vocab != padded_vocab(datamodule.vocab_size):
+    # the tokenizer's vocabulary; checkpoints of earlier versions hold it rounded up (`padded_vocab`)
+    if vocab is not None and vocab not in (datamodule.vocab_size, padded_vocab(datamodule.vocab_size)):
         raise ConfigError(
             f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
             f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
         )
+
+
+def check_data(model: LanguageModel, datamodule: TokenDataModule) -> None:
+    """Before any step: the prepared data must come from the requested tokenizer, and that tokenizer must be the one
+    a converted model (`model.init_from`) ships."""
+    try:
+        if datamodule.path is not None and (Path(datamodule.path) / INDEX_FILE).is_file():  # else setup names it
+            ShardIndex.load(Path(datamodule.path)).check_tokenizer(datamodule.tokenizer, Path(datamodule.path))
+        if model.init_from is not None:
+            check_data_tokenizer(model.init_from, datamodule.tokenizer, datamodule.tokenizer_name)
+    except ValueError as error:  # ShardError, ConversionError
+        raise ConfigError(str(error)) from error
 
 
 def run_tool(name: str, argv: list[str]) -> int:

@@ -1,5 +1,7 @@
 """A Llama-style decoder whose residual connection is delegated to a `Residual` plugin."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -11,10 +13,22 @@ from mhar_lightning.residual import Residual, Stream, make_residual
 Rope = tuple[Tensor, Tensor]
 
 
-def rope_cache(config: ModelConfig, seq_len: int, device: torch.device) -> Rope:
-    """cos and sin tables [seq_len, head_dim] for rotary embeddings (half-split layout, as in Llama)."""
+def rope_frequencies(config: ModelConfig, device: torch.device) -> Tensor:
+    """The head_dim / 2 rotary frequencies, with Llama 3.1's scaling when `config.rope_scaling` is set."""
     half = config.head_dim // 2
     inv_freq = config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # 1 keeps a frequency (short wavelengths), 0 divides it by `factor` (long ones), linear in 1/wavelength between.
+    periods = scaling.original_max_seq_len * inv_freq / (2 * math.pi)
+    keep = ((periods - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - keep) * inv_freq / scaling.factor + keep * inv_freq
+
+
+def rope_cache(config: ModelConfig, seq_len: int, device: torch.device) -> Rope:
+    """cos and sin tables [seq_len, head_dim] for rotary embeddings (half-split layout, as in Llama)."""
+    inv_freq = rope_frequencies(config, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -34,11 +48,11 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        kv_dim = config.n_kv_heads * config.head_dim
-        self.q = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.k = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.v = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.o = nn.Linear(config.d_model, config.d_model, bias=False)
+        q_dim, kv_dim, bias = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, config.attention_bias
+        self.q = nn.Linear(config.d_model, q_dim, bias=bias)
+        self.k = nn.Linear(config.d_model, kv_dim, bias=bias)
+        self.v = nn.Linear(config.d_model, kv_dim, bias=bias)
+        self.o = nn.Linear(q_dim, config.d_model, bias=bias)
 
     def forward(self, x: Tensor, rope: Rope) -> Tensor:
         b, t, _ = x.shape
@@ -55,9 +69,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
-        self.up = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
-        self.down = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
+        self.gate = nn.Linear(config.d_model, config.ffn_hidden, bias=config.mlp_bias)
+        self.up = nn.Linear(config.d_model, config.ffn_hidden, bias=config.mlp_bias)
+        self.down = nn.Linear(config.ffn_hidden, config.d_model, bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -110,6 +124,8 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, (RMSNorm, Residual)):
                 module.reset_parameters()
         out_std = std / (2 * self.config.n_layers) ** 0.5

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert import converted_state_dict
+from mhar_lightning.config import ModelConfig, padded_vocab
+from mhar_lightning.convert import converted_state_dict, pretrained_model
 from mhar_lightning.dtypes import dtype_from_name
 from mhar_lightning.loss import chunked_cross_entropy
 from mhar_lightning.model import Decoder
@@ -63,12 +63,14 @@ class LanguageModel(L.LightningModule):
     """Causal language model training: fp32 chunked cross-entropy, AdamW groups, warmup + cosine/WSD.
 
     Args:
-        preset: named `ModelConfig` size (`tiny`, `100m`, `350m`, `1b`, `llama3-8b`).
+        preset: named `ModelConfig` size (`tiny`, `100m`, `350m`, `1b`, `llama3-8b`); default `tiny`, or with
+            `init_from` the directory's shape (a preset given then must agree with it).
         residual: strategy name (`sum`, `attnres`, `mhar`, `delta-mhar`), a `Residual` or a
-            `{class_path, init_args}` mapping.
-        vocab_size: overrides the preset's vocabulary (linked to the data's tokenizer by the CLI).
+            `{class_path, init_args}` mapping; default `sum`, or with `init_from` the directory's strategy.
+        vocab_size: the tokenizer's vocabulary (linked to `data.tokenizer` by the CLI): the model's is rounded up to
+            a multiple of 64, or with `init_from` is the directory's, which must hold it.
         seq_len: training sequence length; becomes the model's `max_seq_len` (linked to the data).
-        model_overrides: any other `ModelConfig` fields to change.
+        model_overrides: any other `ModelConfig` fields to change (with `init_from`, only to the same values).
         optimizer: AdamW and schedule settings.
         grad_clip: max global gradient norm (0 disables clipping).
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
@@ -81,15 +83,16 @@ class LanguageModel(L.LightningModule):
             work. One process or DDP (whose gradient all-reduce then runs inside the captured graphs); refused
             under FSDP2, where it left the root group's gradients unreduced (CPU, torch 2.13). `auto` (the GPU
             recipes' setting) turns it on where it runs and off, with a message, where it does not.
-        init_from: a converted checkpoint directory (`mhar convert`) whose weights start the run.
+        init_from: a converted checkpoint directory (`mhar convert-hf`) whose shape, routing and weights start the
+            run.
         param_dtype, reduce_dtype: FSDP2 compute and gradient-reduction dtypes (ModelParallelStrategy only;
             master weights and optimizer state stay fp32).
     """
 
     def __init__(
         self,
-        preset: str = "tiny",
-        residual: Residual | str | dict[str, Any] = "sum",
+        preset: str | None = None,
+        residual: Residual | str | dict[str, Any] | None = None,
         vocab_size: int | None = None,
         seq_len: int | None = None,
         model_overrides: dict[str, Any] | None = None,
@@ -105,13 +108,23 @@ class LanguageModel(L.LightningModule):
         reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
-        overrides = dict(model_overrides or {})
-        if vocab_size is not None:
-            overrides["vocab_size"] = vocab_size
-        if seq_len is not None:
-            overrides["max_seq_len"] = seq_len
-        self.model_config = ModelConfig.preset(preset, **overrides)
-        self.residual = make_residual(residual)
+        if init_from is not None:
+            self.model_config, self.residual = pretrained_model(
+                init_from,
+                preset=preset,
+                residual=residual,
+                overrides=model_overrides,
+                vocab_size=vocab_size,
+                seq_len=seq_len,
+            )
+        else:
+            overrides = dict(model_overrides or {})
+            if vocab_size is not None:
+                overrides["vocab_size"] = padded_vocab(vocab_size)
+            if seq_len is not None:
+                overrides["max_seq_len"] = seq_len
+            self.model_config = ModelConfig.preset("tiny" if preset is None else preset, **overrides)
+            self.residual = make_residual("sum" if residual is None else residual)
         with torch.device("meta"):  # a strategy that does not fit the model fails here, not mid-fit
             self.residual.spawn(self.model_config, range(2))
         self.optimizer_config = (
@@ -127,6 +140,7 @@ class LanguageModel(L.LightningModule):
         self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
+        self.hparams["model_config"] = self.model_config.to_dict()  # what tools (export-hf) rebuild the decoder from
         self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0
@@ -180,8 +194,8 @@ class LanguageModel(L.LightningModule):
         if expected != found:
             diff = sorted(set(expected.items()) ^ set(found.items()))[:4]
             raise ValueError(
-                f"init_from={self.init_from} does not match preset/residual of this model (first differences: {diff});"
-                " convert it with the same preset and residual"
+                f"init_from={self.init_from} holds tensors that its mhar_config.json does not describe (first "
+                f"differences: {diff}); convert it again with `mhar convert-hf`"
             )
         return state
 

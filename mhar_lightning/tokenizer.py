@@ -1,8 +1,10 @@
 """Tokenizers built without network: a byte tokenizer and tiktoken BPE encodings from verified local rank files.
 
 ``load_tokenizer`` accepts ``byte``, ``gpt2`` (alias of ``r50k_base``), ``cl100k_base``, a path to a
-``.tiktoken`` rank file, or the ``tokenizer.model`` of a Llama 3 checkpoint (a tiktoken rank file of 128,000
-ranks, recognised by that count and given Llama 3's pattern and 256 special tokens: vocab 128,256).
+``.tiktoken`` rank file, the ``tokenizer.model`` of a Llama 3 checkpoint (a tiktoken rank file of 128,000
+ranks, recognised by that count and given Llama 3's pattern and 256 special tokens: vocab 128,256), or a model
+directory (Hugging Face or ``mhar convert-hf``): its ``tokenizer.json`` runs through Hugging Face ``tokenizers``,
+else its Llama 3 ``tokenizer.model`` (or ``original/tokenizer.model``) through tiktoken.
 Rank files for the named encodings are looked up, in order, in
 
 1. ``$MHAR_TIKTOKEN_DIR/<name>.tiktoken``;
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
+import tokenizers
 
 ENDOFTEXT = "<|endoftext|>"
 _BLOB_URL = "https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken"
@@ -150,22 +153,88 @@ class TiktokenTokenizer(Tokenizer):
         return self.encoding.decode(list(ids), errors="replace")
 
 
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` run by ``tokenizers``: no BOS/EOS added, special-token strings stay text."""
+
+    def __init__(self, path: Path, eot_token: str | None) -> None:
+        data = path.read_bytes()
+        self.tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        self.tokenizer.encode_special_tokens = True
+        self.name = path.parent.resolve().name
+        self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        self.fingerprint = hashlib.sha256(data).hexdigest()
+        candidates = [eot_token] if eot_token else list(_EOT_NAMES)
+        found = [self.tokenizer.token_to_id(token) for token in candidates]
+        if all(token_id is None for token_id in found):
+            raise ValueError(
+                f"{path} has no end-of-text token (tried {', '.join(candidates)}): set eos_token in "
+                f"{path.parent / 'tokenizer_config.json'}"
+            )
+        self.eot_id = next(token_id for token_id in found if token_id is not None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+_EOT_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+"""End-of-text tokens looked up in a ``tokenizer.json`` whose directory does not name its ``eos_token``."""
+
+
+def _eos_token(directory: Path) -> str | None:
+    """The ``eos_token`` that ``tokenizer_config.json`` or ``special_tokens_map.json`` of ``directory`` names."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / name).is_file():
+            token = json.loads((directory / name).read_text()).get("eos_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if token:
+                return token
+    return None
+
+
+def _from_directory(directory: Path) -> Tokenizer:
+    """The tokenizer a model directory ships: ``tokenizer.json``, else a Llama 3 tiktoken ``tokenizer.model``."""
+    if (directory / "tokenizer.json").is_file():
+        return HFTokenizer(directory / "tokenizer.json", _eos_token(directory))
+    for model in (directory / "tokenizer.model", directory / "original" / "tokenizer.model"):
+        if model.is_file():
+            try:
+                return _from_file(model)
+            except ValueError as error:  # e.g. a SentencePiece model (Llama 2), which is binary
+                raise ValueError(
+                    f"{model} is not a tiktoken rank file (SentencePiece models are not read): add the model's "
+                    f"tokenizer.json to {directory}"
+                ) from error
+    raise FileNotFoundError(
+        f"{directory} holds no tokenizer.json, tokenizer.model or original/tokenizer.model: pass a model directory "
+        "that ships its tokenizer, or a tokenizer name"
+    )
+
+
 def load_tokenizer(name_or_path: str) -> Tokenizer:
-    """The tokenizer called ``byte``, ``gpt2``/``r50k_base``, ``cl100k_base``, or stored in a ``.tiktoken`` file."""
+    """The tokenizer called ``byte``, ``gpt2``/``r50k_base``, ``cl100k_base``, stored in a ``.tiktoken`` file, or
+    shipped in a model directory."""
     if name_or_path == "byte":
         return ByteTokenizer()
     name = _ALIASES.get(name_or_path, name_or_path)
     if name in _SPECS:
         return _build(_SPECS[name], _find_ranks(_SPECS[name]))
     path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return _from_directory(path)
     if path.suffix in (".tiktoken", ".model"):
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist: pass an existing tiktoken rank file")
         return _from_file(path)
     known = ", ".join(["byte", *_ALIASES, *_SPECS])
     raise ValueError(
-        f"unknown tokenizer {name_or_path!r}: use one of {known}, a path to a .tiktoken file, or a Llama 3"
-        " checkpoint's original/tokenizer.model"
+        f"unknown tokenizer {name_or_path!r}: use one of {known}, a path to a .tiktoken file, a Llama 3"
+        " checkpoint's original/tokenizer.model, or a model directory with tokenizer.json"
     )
 
 

@@ -1,6 +1,7 @@
 """Shared pieces of the CLI, recipe, resume and callback tests: fast overrides, a stop callback, event readers and
 a two-process DDP launch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,43 @@ def run_ddp(args: list[str]) -> None:
         check=False, env=env_with_tests_on_path(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+LLAMA3_8B = {  # the shape keys of Meta-Llama-3-8B's config.json
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+SMALL_LLAMA = {  # a small Llama, 300 tokens, as a CPU run might mid-train
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+}
+STAND_INS = {  # recipe -> (source config.json, residual) of the conversion its header prescribes
+    "fsdp/midtrain-8b.yaml": (LLAMA3_8B, {"name": "delta-mhar", "args": {"heads": 8, "block_size": 4}}),
+    "midtrain/demo.yaml": (SMALL_LLAMA, {"name": "delta-mhar", "args": {"heads": 4, "block_size": 2}}),
+}
+
+
+def stand_in_converted(recipe: Path, out: Path) -> Path:
+    """The `mhar_config.json` that converting `recipe`'s model writes, without weights (enough to build on meta)."""
+    from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
+    from mhar_lightning.convert.hf_llama import hf_config_to_model_config
+
+    hf_config, residual = STAND_INS[recipe.relative_to(REPO / "recipes").as_posix()]
+    model = hf_config_to_model_config(hf_config).to_dict()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "model": model, "residual": residual}))
+    return out

@@ -29,3 +29,16 @@ def test_preset_overrides_and_errors():
         ModelConfig(n_kv_heads=3)
     with pytest.raises(ValueError, match="n_heads=5 must divide d_model=64"):
         ModelConfig(n_heads=5)
+
+
+def test_llama_variant_fields_round_trip_and_count_their_parameters():
+    from mhar_lightning.model import Decoder
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 64}
+    cfg = ModelConfig(head_size=32, rope_scaling=scaling, attention_bias=True, mlp_bias=True, tie_embeddings=False)
+    assert cfg.head_dim == 32 and cfg.rope_scaling.factor == 8.0
+    assert ModelConfig(**cfg.to_dict()) == cfg  # the JSON form (rope_scaling as a mapping) rebuilds the same config
+    assert sum(p.numel() for p in Decoder(cfg).parameters()) == cfg.num_params()
+    assert PRESETS["tiny"].head_dim == 16 and PRESETS["tiny"].to_dict()["head_size"] is None
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        ModelConfig(rope_scaling={**scaling, "low_freq_factor": 4.0})

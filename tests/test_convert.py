@@ -168,24 +168,67 @@ def test_missing_and_unexpected_tensors_are_listed(tmp_path):
 
 
 BASE = {"architectures": ["LlamaForCausalLM"], **SHAPE}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short, so that all three frequency bands occur at head_dim 16
+}
+VARIANTS = {
+    "tied": {"tie_word_embeddings": True},
+    "llama3.1-rope": {"rope_parameters": LLAMA31_ROPE},
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "head_dim": {"head_dim": 32},  # 4 heads of 32 on a width of 64
+}
+
+
+@pytest.mark.parametrize("residual, args", [("sum", {}), ("delta-mhar", DELTA)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_llama_variants_match_transformers(variant, residual, args, tmp_path):
+    """Each supported Llama variant converts exactly (logits of transformers), reloads, and a `sum` one exports back."""
+    change = VARIANTS[variant]
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, **change, attn_implementation="eager"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path / "hf")
+    reference = hf_logits(hf)
+    out = save_converted(tmp_path / "hf", tmp_path / "conv", residual, **args)
+    stored = json.loads((out / "mhar_config.json").read_text())["model"]
+    assert stored == hf_config_to_model_config(json.loads((tmp_path / "hf" / "config.json").read_text())).to_dict()
+    torch.testing.assert_close(our_logits(load_decoder(out)), reference, rtol=1e-5, atol=1e-5)
+    if variant == "llama3.1-rope":  # the scaling matters at these positions: the unscaled rope differs
+        unscaled = transformers.LlamaConfig(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+        plain = transformers.LlamaForCausalLM(unscaled)
+        plain.load_state_dict(hf.state_dict())
+        assert (hf_logits(plain.eval()) - reference).abs().max() > 1e-2
+    if residual == "sum":
+        export_hf(out, tmp_path / "back")
+        back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+        torch.testing.assert_close(hf_logits(back.eval()), reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         ({"architectures": ["MistralForCausalLM"]}, "architecture MistralForCausalLM; supported: LlamaForCausalLM"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' is not supported .Llama 3.1-style"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope scaling type 'yarn' is not supported"),
-        ({"attention_bias": True}, "attention_bias=true is not supported"),
-        ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-        ({"head_dim": 32}, "head_dim=32 differs from hidden_size/num_attention_heads=16"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_scaling type 'yarn' is not supported"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type 'linear' is not supported"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 lacks low_freq_factor, high_freq_factor"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+        ({"pretraining_tp": 2}, "pretraining_tp=2 is not supported"),
+        ({"head_dim": 15}, "head size 15 must be positive and even"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"architectures": None}, 'unsupported architecture none .config.json lacks "architectures"'),
         ({"vocab_size": None}, "config.json lacks vocab_size"),
     ],
 )
 def test_unsupported_configs_are_refused(change, message):
-    with pytest.raises(ConversionError, match=message):
+    with pytest.raises(ValueError, match=message):
         hf_config_to_model_config(BASE | change)
 
 
@@ -195,3 +238,7 @@ def test_config_mapping_reads_old_and_new_rope_fields():
     assert old == new
     assert (old.d_model, old.n_layers, old.n_heads, old.n_kv_heads, old.ffn_hidden) == (64, 3, 4, 2, 128)
     assert (old.rope_theta, old.max_seq_len, old.norm_eps, old.tie_embeddings) == (1e6, 64, 1e-5, False)
+    old31 = {k: v for k, v in LLAMA31_ROPE.items() if k != "rope_theta"}
+    new31 = hf_config_to_model_config(BASE | {"rope_parameters": LLAMA31_ROPE})
+    assert hf_config_to_model_config(BASE | {"rope_scaling": old31, "rope_theta": 5e5}) == new31
+    assert new31.rope_scaling.factor == 8.0 and new31.rope_scaling.original_max_seq_len == 16

@@ -1,11 +1,12 @@
 """Every recipe parses through its `# base:` chain and instantiates; big models are built on the meta device."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from cli_helpers import REPO
+from cli_helpers import REPO, stand_in_converted
 from lightning.pytorch.callbacks import LearningRateMonitor
 from mhar_lightning.callbacks import FinalStepCheckpoint
 
@@ -28,18 +29,26 @@ ONE_DEVICE = (  # one GPU as the recipe's precision asks (the FSDP recipes ask f
 )
 
 
-def user_files(recipe: Path) -> list[str]:
-    """Overrides for files a user downloads first (a model's tokenizer file): the byte tokenizer stands in."""
-    tokenizer = None
+def user_files(recipe: Path, tmp_path: Path) -> list[str]:
+    """Overrides for files a user makes first: the byte tokenizer stands in for a model's tokenizer, and a converted
+    directory without weights (`stand_in_converted`) for `model.init_from`."""
+    tokenizer = init_from = None
     for path in recipe_chain(recipe):
-        tokenizer = (yaml.safe_load(path.read_text()).get("data") or {}).get("tokenizer", tokenizer)
-    is_missing_file = tokenizer is not None and "/" in tokenizer and not Path(tokenizer).exists()
-    return ["--data.tokenizer", "byte"] if is_missing_file else []
+        config = yaml.safe_load(path.read_text())
+        tokenizer = (config.get("data") or {}).get("tokenizer", tokenizer)
+        init_from = (config.get("model") or {}).get("init_from", init_from)
+    overrides = []
+    if tokenizer is not None and "/" in tokenizer and not Path(tokenizer).exists():
+        overrides += ["--data.tokenizer", "byte"]
+    if init_from is not None and not Path(init_from).exists():
+        overrides += ["--model.init_from", str(stand_in_converted(recipe, tmp_path / "converted"))]
+    return overrides
 
 
 def instantiate(recipe: Path, tmp_path: Path) -> MharCLI:
     """Model, data and trainer of `recipe`, as `mhar fit --config recipe` builds them, without running."""
-    args = ["--config", str(recipe), "--trainer.default_root_dir", str(tmp_path), *ONE_DEVICE, *user_files(recipe)]
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    args = ["--config", str(recipe), *root, *ONE_DEVICE, *user_files(recipe, tmp_path)]
     return MharCLI(args=args, run=False)
 
 
@@ -83,7 +92,13 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     )
     assert trainer.max_steps > 0
     assert model.model_config.max_seq_len == data.seq_len
-    assert model.model_config.vocab_size >= data.vocab_size and model.model_config.vocab_size % 64 == 0
+    assert model.model_config.vocab_size >= data.vocab_size
+    if model.init_from is None:
+        assert model.model_config.vocab_size % 64 == 0
+    else:  # the converted directory's shape and routing, whatever the recipe's defaults
+        stored = json.loads((Path(model.init_from) / "mhar_config.json").read_text())
+        assert model.model_config.to_dict() == {**stored["model"], "max_seq_len": data.seq_len}
+        assert model.residual.spec()["init_args"] == stored["residual"]["args"]
 
     sharded = recipe.parent.name == "fsdp"
     gpu = recipe.name != "demo.yaml"  # every GPU recipe runs compiled; the CPU demo stays eager

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_helpers import stand_in_converted
 
 from mhar_lightning.cli import recipe_chain
 from mhar_lightning.module import LanguageModel
@@ -33,16 +34,18 @@ def merged(recipe: Path) -> dict:
     return config
 
 
-def meta_model(recipe: Path) -> LanguageModel:
+def meta_model(recipe: Path, tmp_path: Path) -> LanguageModel:
     model = merged(recipe)["model"]
+    if "init_from" in model:  # a converted directory without weights stands in for the user's conversion
+        model["init_from"] = str(stand_in_converted(recipe, tmp_path / "converted"))
     with torch.device("meta"):
         module = LanguageModel(**model)
         module.configure_model()  # no trainer: a plain build (init_from is skipped without a trainer)
     return module
 
 
-def test_midtrain_8b_is_llama3_8b_plus_a_little_routing() -> None:
-    module = meta_model(RECIPES / "midtrain-8b.yaml")
+def test_midtrain_8b_is_llama3_8b_plus_a_little_routing(tmp_path: Path) -> None:
+    module = meta_model(RECIPES / "midtrain-8b.yaml", tmp_path)
     assert isinstance(module.residual, DeltaMHAR) and (module.residual.heads, module.residual.block_size) == (8, 4)
     assert all(p.is_meta for p in module.parameters())
     config = module.model_config
@@ -55,19 +58,21 @@ def test_midtrain_8b_is_llama3_8b_plus_a_little_routing() -> None:
     assert merged(RECIPES / "midtrain-8b.yaml")["model"]["init_from"]
 
 
-def test_pretrain_1b_recipe_is_sharded_block_mhar() -> None:
+def test_pretrain_1b_recipe_is_sharded_block_mhar(tmp_path: Path) -> None:
     config = merged(RECIPES / "pretrain-1b.yaml")
     assert config["trainer"]["strategy"]["class_path"].endswith("ModelParallelStrategy")
     assert config["trainer"]["precision"] == "32-true" and config["checkpoint"]["save_last"] == "link"
-    module = meta_model(RECIPES / "pretrain-1b.yaml")
+    module = meta_model(RECIPES / "pretrain-1b.yaml", tmp_path)
     assert isinstance(module.residual, MHAR) and (module.residual.heads, module.residual.blocks) == (8, 8)
 
 
 @pytest.mark.parametrize(
     ("recipe", "world", "batch", "seq", "limit_gib"), [("pretrain-1b", 8, 4, 2048, 40), ("midtrain-8b", 8, 1, 4096, 80)]
 )
-def test_memory_plan_fits_an_80gb_gpu(recipe: str, world: int, batch: int, seq: int, limit_gib: float) -> None:
-    module = meta_model(RECIPES / f"{recipe}.yaml")
+def test_memory_plan_fits_an_80gb_gpu(
+    recipe: str, world: int, batch: int, seq: int, limit_gib: float, tmp_path: Path
+) -> None:
+    module = meta_model(RECIPES / f"{recipe}.yaml", tmp_path)
     routing = routing_parameter_count(module.model_config, module.residual)
     plan = memory_plan(
         module.model_config, world, batch, seq, module.activation_checkpointing, routing, stream_tensors=2

@@ -132,3 +132,45 @@ def test_llama3_tokenizer_model_gets_llama3_specials_and_digit_groups(tmp_path):
     ids = tok.encode("1234567")  # Llama 3 splits digits in groups of at most three: 123 456 7
     assert [tok.decode([i]) for i in ids] == ["123", "456", "7"]
     assert tok.decode(tok.encode("x = 1234\n\n")) == "x = 1234\n\n"
+
+
+def test_model_directory_tokenizer_json_matches_transformers(tmp_path):
+    """A directory's tokenizer.json runs through `tokenizers` as `transformers` runs it, without added BOS/EOS."""
+    transformers = pytest.importorskip("transformers")
+    from hf_helpers import EOS, corpus_lines, train_tokenizer
+
+    reference = train_tokenizer(tmp_path / "model", corpus_lines(50))
+    tok = load_tokenizer(str(tmp_path / "model"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "model" / "tokenizer.json"))
+    assert tok.vocab_size == len(fast) == reference.get_vocab_size(with_added_tokens=True)
+    assert tok.eot_id == reference.token_to_id(EOS)
+    text = "the lazy fox juggles plums" + EOS + SAMPLE
+    assert tok.encode(text) == fast(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tok.encode(EOS) != [tok.eot_id]  # a special token's text stays text, as with the tiktoken encodings
+    assert tok.encode_batch([text, "fox"]) == [tok.encode(text), tok.encode("fox")]
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    assert (
+        tok.name == "model"
+        and tok.fingerprint == hashlib.sha256((tmp_path / "model" / "tokenizer.json").read_bytes()).hexdigest()
+    )
+
+
+def test_model_directory_eos_and_tiktoken_fallback(tmp_path):
+    from hf_helpers import corpus_lines, train_tokenizer
+
+    train_tokenizer(tmp_path / "no_eos", corpus_lines(20))
+    (tmp_path / "no_eos" / "tokenizer_config.json").write_text('{"eos_token": {"content": "<unk>"}}')
+    with pytest.raises(ValueError, match=r"has no end-of-text token \(tried <unk>\): set eos_token in"):
+        load_tokenizer(str(tmp_path / "no_eos"))
+    llama3 = tmp_path / "llama3" / "original"  # Meta's layout: only the tiktoken rank file
+    llama3.mkdir(parents=True)
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll"]
+    (llama3 / "tokenizer.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for r, t in enumerate(ranks)))
+    tok = load_tokenizer(str(tmp_path / "llama3"))
+    assert tok.fingerprint == load_tokenizer(str(llama3 / "tokenizer.model")).fingerprint
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json, tokenizer.model or original/tokenizer.model"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "spm").mkdir()
+    (tmp_path / "spm" / "tokenizer.model").write_bytes(b"\n\x0f\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")  # protobuf
+    with pytest.raises(ValueError, match="is not a tiktoken rank file .SentencePiece models are not read"):
+        load_tokenizer(str(tmp_path / "spm"))

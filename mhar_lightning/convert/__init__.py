@@ -12,7 +12,11 @@ Converted-checkpoint format (a directory; `save_converted` writes it, `load_conv
     model-0000k-of-0000n.safetensors + model.safetensors.index.json   ({"metadata": {"total_size"},
                         "weight_map": {name: file}}, the Hugging Face layout)
 
-`mhar_config.json` is written last: a directory without it is an interrupted conversion.
+The source's tokenizer files (`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`,
+`tokenizer.model`, `original/tokenizer.model`) are copied alongside, so the directory serves as both
+`model.init_from` and `data.tokenizer`. `mhar_config.json` is written last: a directory without it is an
+interrupted conversion. `"model"` holds every `ModelConfig` field (vocabulary, norm eps, RoPE theta and
+scaling, head size, biases, tied head), so a run takes the whole shape from it (`pretrained_model`).
 Rebuild the model with `Decoder(ModelConfig(**model), make_residual(name, **args))`; then the state
 dict loads strictly (`converted_state_dict`, memory-mapped).
 """
@@ -27,10 +31,12 @@ from mhar_lightning.convert.checkpoint import (
 from mhar_lightning.convert.cli import export_main, main
 from mhar_lightning.convert.export import export_hf
 from mhar_lightning.convert.hf_llama import hf_config_to_model_config
+from mhar_lightning.convert.pretrained import check_data_tokenizer, pretrained_model
 from mhar_lightning.convert.safetensors_io import ConversionError
 
 __all__ = [
     "ConversionError",
+    "check_data_tokenizer",
     "converted_state_dict",
     "export_hf",
     "export_main",
@@ -39,5 +45,6 @@ __all__ = [
     "load_decoder",
     "load_hf_llama",
     "main",
+    "pretrained_model",
     "save_converted",
 ]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.hf_llama import HFLlamaCheckpoint
+from mhar_lightning.convert.hf_llama import HFLlamaCheckpoint, copy_tokenizer_files
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
     ConversionError,
@@ -112,8 +112,9 @@ def save_converted(
 ) -> Path:
     """Convert the Hugging Face Llama at `src_dir` into a new converted checkpoint `out_dir` (see the package doc).
 
-    Streams: at most one output shard of tensors is resident; `mhar_config.json` is written last, so a
-    directory without it is an interrupted conversion.
+    Streams: at most one output shard of tensors is resident. The source's tokenizer files are copied, so the
+    directory is all a run needs (`model.init_from` and `data.tokenizer`); `mhar_config.json` is written last, so
+    a directory without it is an interrupted conversion.
     """
     source = HFLlamaCheckpoint(src_dir)
     template = residual_template(residual, **residual_args)
@@ -123,6 +124,7 @@ def save_converted(
     spec = residual_spec(template)
     out = fresh_dir(out_dir)
     write_sharded(out, entries, parse_size(max_shard_size))
+    copy_tokenizer_files(src_dir, out)
     meta = {
         "format_version": FORMAT_VERSION,
         "model": source.config.to_dict(),

@@ -3,9 +3,10 @@
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from mhar_lightning.convert.checkpoint import save_converted
-from mhar_lightning.convert.export import export_hf
+from mhar_lightning.convert.export import export_hf, export_training_checkpoint
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.residual import RESIDUALS
@@ -55,15 +56,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """`mhar export-hf SRC OUT`: a converted `sum` checkpoint to a Hugging Face Llama directory."""
+    """`mhar export-hf SRC OUT`: a converted `sum` checkpoint, or a `sum` run's checkpoint file, to a Hugging Face
+    Llama directory."""
     parser = argparse.ArgumentParser(
         prog="mhar export-hf",
-        description="Export a converted `sum` checkpoint (mhar_config.json + safetensors) to a directory "
-        "that transformers' LlamaForCausalLM.from_pretrained loads.",
+        description="Export a converted `sum` checkpoint (mhar_config.json + safetensors), or a checkpoint file that "
+        "`mhar fit` wrote for a `sum` model, to a directory that transformers' LlamaForCausalLM.from_pretrained loads.",
     )
-    parser.add_argument("src", help="converted checkpoint directory (mhar_config.json)")
+    parser.add_argument("src", help="converted checkpoint directory (mhar_config.json) or a run's .ckpt file")
     parser.add_argument("out", help="new (or empty) output directory")
     add_output_options(parser)
     args = parser.parse_args(argv)
     dtype = DTYPES.get(args.dtype)
-    return run(parser.prog, lambda: export_hf(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size))
+    export = export_training_checkpoint if Path(args.src).is_file() else export_hf
+    return run(parser.prog, lambda: export(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size))

@@ -1,12 +1,13 @@
 """The Hugging Face Llama side: config and tensor-name mapping, and a validated lazy view of a local checkpoint."""
 
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from mhar_lightning.config import ModelConfig
+from mhar_lightning.config import ModelConfig, RopeScaling
 from mhar_lightning.convert.safetensors_io import ConversionError, SafetensorsDir, TensorEntry, check_tensors
 from mhar_lightning.model import Decoder
 
@@ -16,6 +17,46 @@ TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """Config keys that carry over unchanged from a source checkpoint to an export (generation needs them)."""
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 """Buffers some older checkpoints save; RoPE tables are recomputed here."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "original/tokenizer.model",
+)
+"""Tokenizer files of a Hugging Face model directory that travel with its weights (convert and export)."""
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def copy_tokenizer_files(src: str | Path, out: str | Path) -> list[str]:
+    """Copy the tokenizer files that `src` has into `out` (same relative paths); returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            (Path(out) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(src) / name, Path(out) / name)
+            copied.append(name)
+    return copied
+
+
+def rope_scaling_of(rope: dict) -> RopeScaling | None:
+    """The `RopeScaling` of a Hugging Face `rope_parameters`/`rope_scaling` entry (None when unscaled)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ConversionError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: default and llama3 (Llama 3.1-style)"
+        )
+    missing = [key for key in LLAMA3_ROPE_KEYS if rope.get(key) is None]
+    if missing:
+        raise ConversionError(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=int(rope["original_max_position_embeddings"]),
+    )
 
 
 def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
@@ -28,23 +69,18 @@ def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
     if missing:
         raise ConversionError(f"config.json lacks {', '.join(missing)}")
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConversionError(
-            f"rope scaling type {rope_type!r} is not supported (Llama 3.1-style scaling is not implemented); "
-            "only unscaled RoPE checkpoints (e.g. Llama 2, Llama 3.0) convert"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if hf_config.get(key):
-            raise ConversionError(f"{key}=true is not supported: this decoder's projections have no biases")
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
-    if head_dim * heads != hidden:
-        raise ConversionError(
-            f"head_dim={head_dim} differs from hidden_size/num_attention_heads={hidden / heads:g}; not supported"
-        )
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ConversionError(f"hidden_act={hf_config['hidden_act']!r} is not supported; the MLP is SwiGLU (silu)")
+    for key in ("attention_dropout", "mlp_dropout"):
+        if hf_config.get(key):
+            raise ConversionError(f"{key}={hf_config[key]} is not supported: this decoder has no dropout; set it to 0")
+    partial = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConversionError(f"partial_rotary_factor={partial} is not supported: RoPE rotates whole heads here")
+    if hf_config.get("pretraining_tp", 1) != 1:
+        raise ConversionError(f"pretraining_tp={hf_config['pretraining_tp']} is not supported; set it to 1")
     return ModelConfig(
         vocab_size=hf_config["vocab_size"],
         d_model=hidden,
@@ -57,12 +93,26 @@ def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
         norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         init_std=hf_config.get("initializer_range", 0.02),
+        head_size=None if head_dim * heads == hidden else head_dim,
+        rope_scaling=rope_scaling_of(rope),
+        attention_bias=bool(hf_config.get("attention_bias", False)),
+        mlp_bias=bool(hf_config.get("mlp_bias", False)),
     )
 
 
 def model_config_to_hf_config(config: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) -> dict:
     """A `LlamaForCausalLM` `config.json` for `config` (plus token ids from `tokens`, e.g. the source config)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        scaling = config.rope_scaling
+        rope |= {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+        }
     return {
         "architectures": list(SUPPORTED_ARCHITECTURES),
         "model_type": "llama",
@@ -78,10 +128,10 @@ def model_config_to_hf_config(config: ModelConfig, dtype: torch.dtype, tokens: d
         "rms_norm_eps": config.norm_eps,
         "initializer_range": config.init_std,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope,
         "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
         "dtype": dtype_name,
         **{key: (tokens or {})[key] for key in TOKEN_KEYS if key in (tokens or {})},
     }
@@ -92,10 +142,12 @@ def hf_names(config: ModelConfig) -> dict[str, str]:
     names = {"embed.weight": "model.embed_tokens.weight"}
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn = ("weight", "bias") if config.attention_bias else ("weight",)
+        mlp = ("weight", "bias") if config.mlp_bias else ("weight",)
         names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
-        names |= {f"{ours}attn.{p}.weight": f"{theirs}self_attn.{p}_proj.weight" for p in "qkvo"}
+        names |= {f"{ours}attn.{p}.{t}": f"{theirs}self_attn.{p}_proj.{t}" for p in "qkvo" for t in attn}
         names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
-        names |= {f"{ours}mlp.{p}.weight": f"{theirs}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        names |= {f"{ours}mlp.{p}.{t}": f"{theirs}mlp.{p}_proj.{t}" for p in ("gate", "up", "down") for t in mlp}
     names["norm.weight"] = "model.norm.weight"
     if not config.tie_embeddings:
         names["head.weight"] = "lm_head.weight"

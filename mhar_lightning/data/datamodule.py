@@ -39,7 +39,8 @@ class TokenDataModule(L.LightningDataModule):
     ) -> None:
         """Args:
         path: a folder made by ``mhar prepare``; None uses the standard-library corpus, prepared on first use.
-        tokenizer: ``byte``, ``gpt2``, ``r50k_base``, ``cl100k_base`` or a ``.tiktoken`` path; must match ``path``.
+        tokenizer: ``byte``, ``gpt2``, ``r50k_base``, ``cl100k_base``, a ``.tiktoken`` path, or a model directory
+            (Hugging Face or ``mhar convert-hf``: its ``tokenizer.json``); must match ``path``.
         seq_len: tokens the model sees per sample (each window holds ``seq_len + 1``).
         batch_size: samples per batch on each rank.
         num_workers: dataloader worker processes.

@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mhar prepare", description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path, help="a file, or a folder of .txt/.md/.py/.jsonl/.parquet files")
     parser.add_argument("out", type=Path, help="the prepared folder to create")
-    parser.add_argument("--tokenizer", default="gpt2", help="byte, gpt2, r50k_base, cl100k_base or a .tiktoken path")
+    parser.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="byte, gpt2, r50k_base, cl100k_base, a .tiktoken path, or a model directory (tokenizer.json)",
+    )
     parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (by hash)")
     parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
     parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from bisect import bisect_right
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +98,14 @@ class ShardIndex:
             raise ShardError(f"{path} is unreadable ({exc!r}); {_REPREPARE}") from exc
 
     def check_tokenizer(self, tokenizer: Tokenizer, directory: Path) -> None:
-        """Refuse a folder prepared with another tokenizer than ``tokenizer``."""
-        if self.tokenizer != TokenizerInfo.of(tokenizer):
+        """Refuse a folder prepared with another tokenizer than ``tokenizer`` (compared by content, not by name)."""
+        prepared, requested = self.tokenizer, TokenizerInfo.of(tokenizer)
+        if replace(requested, name=prepared.name) != prepared:
             raise ShardError(
-                f"{directory} was prepared with tokenizer {self.tokenizer.name!r} (vocab {self.tokenizer.vocab_size}) "
-                f"but {tokenizer.name!r} (vocab {tokenizer.vocab_size}) was requested: request "
-                f"{self.tokenizer.name!r} or re-run `mhar prepare` with --tokenizer {tokenizer.name}"
+                f"{directory} was prepared with tokenizer {prepared.name!r} (vocab {prepared.vocab_size}, "
+                f"sha256 {prepared.fingerprint[:12]}) but {requested.name!r} (vocab {requested.vocab_size}, sha256 "
+                f"{requested.fingerprint[:12]}) was requested: request the tokenizer the folder was prepared with, "
+                "or re-run `mhar prepare` with this one"
             )
 
 

@@ -1,0 +1,182 @@
+"""Mid-training a Hugging Face Llama: convert, prepare with its tokenizer, fit, resume and validate through `mhar`, and
+the first training loss and gradients equal those of `transformers` on the same batch."""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_helpers import REPO, scalars
+from hf_helpers import trained_llama, transformers, write_corpus
+
+from mhar_lightning.cli import main
+from mhar_lightning.convert import load_decoder
+from mhar_lightning.convert.hf_llama import hf_names
+from mhar_lightning.data import TokenDataModule
+
+RECIPE = REPO / "recipes" / "midtrain" / "demo.yaml"
+SEQ, BATCH = 32, 4
+DELTA = ["--residual", "delta-mhar", "--heads", "4", "--block-size", "2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is faster than several competing for shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A trained Hugging Face Llama with a 300-token `tokenizers` vocabulary, and a JSONL corpus of its language."""
+    root = tmp_path_factory.mktemp("midtrain")
+    model = trained_llama(root / "hf", steps=20)
+    return root, model, write_corpus(root / "corpus.jsonl")
+
+
+@pytest.fixture(scope="module")
+def converted(source):
+    """`source` converted to delta-MHAR (`conv`) and its corpus prepared with the source's tokenizer (`data`)."""
+    root, hf, corpus = source
+    conv, data = root / "conv", root / "data"
+    assert mhar("convert-hf", root / "hf", conv, *DELTA) == 0
+    # the source directory and the converted one ship the same tokenizer: shards match either by content
+    assert mhar("prepare", corpus, data, "--tokenizer", root / "hf", "--val-fraction", "0.1", "--no-progress") == 0
+    return root, hf, conv, data
+
+
+def mhar(*args: str) -> int:
+    """Exit status of `mhar <args>`."""
+    try:
+        main([str(arg) for arg in args])
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
+def fit_args(root: Path, conv: Path, data: Path, max_steps: int) -> list[str]:
+    """The README's `mhar fit` command on the CPU recipe, shrunk to a few seconds."""
+    return [
+        "--config", RECIPE,
+        "--model.init_from", conv, "--data.tokenizer", conv, "--data.path", data,
+        "--trainer.default_root_dir", root,
+        "--trainer.max_steps", max_steps,
+        "--trainer.log_every_n_steps", 1,
+        "--trainer.val_check_interval", 2,
+        "--trainer.limit_val_batches", 2,
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--checkpoint.every_n_train_steps", 1,
+        "--data.seq_len", SEQ,
+        "--data.batch_size", BATCH,
+    ]  # fmt: skip
+
+
+def first_batch(conv: Path, data: Path) -> torch.Tensor:
+    """The first training batch of a run with `fit_args` (same data seed, one process)."""
+    datamodule = TokenDataModule(path=str(data), tokenizer=str(conv), seq_len=SEQ, batch_size=BATCH)
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+def test_convert_prepare_fit_resume_validate(converted, tmp_path, capsys):
+    root, hf, conv, data = converted
+    run = tmp_path / "run"
+    assert (conv / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
+
+    assert mhar("fit", *fit_args(run, conv, data, max_steps=2)) == 0
+    batch = first_batch(conv, data)
+    with torch.no_grad():
+        reference = hf.train()(batch, labels=batch).loss.item()
+    assert reference < 0.6 * math.log(hf.config.vocab_size)  # a trained model, not a uniform guess
+    assert scalars(run, "train/loss")[0] == pytest.approx(reference, rel=1e-5)
+    weights = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert weights["decoder.embed.weight"].shape == (300, 64)  # the checkpoint's vocabulary, not rounded to 320
+
+    assert mhar("fit", *fit_args(run, conv, data, max_steps=4), "--ckpt_path", "last") == 0
+    assert torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
+    assert sorted(scalars(run, "train/loss", version=1)) == [2, 3]
+    capsys.readouterr()
+    assert mhar("validate", *fit_args(run, conv, data, max_steps=4), "--ckpt_path", "last") == 0
+    assert "val/loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.model_overrides.norm_eps", "1e-5"], "sets norm_eps=1e-05 but init_from=.* has norm_eps=1e-06"),
+        (["--model.model_overrides.d_model", "128"], "sets d_model=128 but init_from=.* has d_model=64"),
+        (["--model.preset", "tiny"], "model.preset=tiny sets vocab_size=256 but init_from=.* has vocab_size=300"),
+        (["--model.residual", "mhar"], "model.residual=mhar but init_from=.* holds a 'delta-mhar' model"),
+        (
+            ["--model.residual", '{"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 2}}'],
+            "model.residual sets heads=2 but init_from=.* has heads=4",
+        ),
+        (["--data.tokenizer", "gpt2"], "data.tokenizer has 50257 tokens but .* has a 300-token vocabulary"),
+        (["--data.tokenizer", "byte"], "data was prepared with tokenizer .*vocab 300.* but 'byte' .vocab 256"),
+    ],
+    ids=["norm_eps", "d_model", "preset", "residual", "heads", "bigger-tokenizer", "data-tokenizer"],
+)
+def test_flags_that_contradict_the_converted_model_are_refused(converted, tmp_path, capsys, flags, message):
+    _, _, conv, data = converted
+    capsys.readouterr()
+    assert mhar("fit", *fit_args(tmp_path / "run", conv, data, max_steps=2), *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mhar: error: ")
+    assert re.search(message, err), err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any step
+
+
+def test_data_from_another_tokenizer_than_the_models_is_refused(source, tmp_path, capsys):
+    root, _, corpus = source
+    conv, data = tmp_path / "conv", tmp_path / "data"
+    assert mhar("convert-hf", root / "hf", conv, "--residual", "sum") == 0
+    assert mhar("prepare", corpus, data, "--tokenizer", "byte", "--val-fraction", "0.1", "--no-progress") == 0
+    capsys.readouterr()
+    args = [*fit_args(tmp_path / "run", conv, data, max_steps=1), "--data.tokenizer", "byte"]
+    assert mhar("fit", *args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"mhar: error: data.tokenizer=byte is not the tokenizer that init_from={conv} ships (its tokenizer files "
+        f"differ): use --data.tokenizer {conv}"
+    )
+
+
+@pytest.mark.parametrize("residual", [["--residual", "sum"], DELTA], ids=["sum", "delta-mhar"])
+def test_conversion_is_exact_in_training(source, tmp_path, residual):
+    """Loss and every pretrained weight's gradient on one batch, in training mode, equal those of `transformers`."""
+    root, hf, _ = source
+    assert mhar("convert-hf", root / "hf", tmp_path / "conv", *residual) == 0
+    ours = load_decoder(tmp_path / "conv").train()
+    hf.train().zero_grad()
+    batch = torch.randint(0, hf.config.vocab_size, (2, 25), generator=torch.Generator().manual_seed(1))
+    reference = hf(batch, labels=batch).loss
+    reference.backward()
+    loss = F.cross_entropy(ours(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    theirs = dict(hf.named_parameters())
+    for name, param in ours.named_parameters():
+        if "residual" not in name:
+            torch.testing.assert_close(param.grad, theirs[hf_names(ours.config)[name]].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sum_midtraining_exports_back_to_transformers(converted, tmp_path):
+    root, hf, _, data = converted
+    conv, run, back = tmp_path / "conv", tmp_path / "run", tmp_path / "back"
+    assert mhar("convert-hf", root / "hf", conv, "--residual", "sum") == 0
+    assert mhar("fit", *fit_args(run, conv, data, max_steps=2), "--model.optimizer.lr", "1e-2") == 0
+    assert mhar("export-hf", run / "checkpoints" / "last.ckpt", back) == 0
+    exported = transformers.LlamaForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    trained = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    ours = load_decoder(conv)
+    ours.load_state_dict({name.removeprefix("decoder."): t for name, t in trained.items()})
+    batch = first_batch(conv, data)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(batch).logits, ours.eval()(batch), rtol=1e-5, atol=1e-5)
+        assert (exported(batch).logits - hf.eval()(batch).logits).abs().max() > 1e-3  # it did train
+    assert (back / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
+    assert exported.config.eos_token_id == hf.config.eos_token_id
