@@ -212,7 +212,7 @@ class LanguageModel(L.LightningModule):
         batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
         self.flops_per_batch = self.model_config.flops_per_token(seq_len) * batch_size * seq_len
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)  # not prog_bar: Lightning would copy it to the host, a GPU sync, every step
         self._step_loss = loss
         return loss
 

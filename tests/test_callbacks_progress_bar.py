@@ -1,0 +1,70 @@
+"""`mhar fit` reads tensors on the host only at log steps, so a GPU run never waits for the device between steps."""
+
+import collections
+import traceback
+
+import lightning as L
+import pytest
+import torch
+from cli_helpers import DEMO
+
+from mhar_lightning.cli import MharCLI
+
+READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
+"""Tensor methods that copy a value to the host (on a GPU: wait for every kernel queued before it)."""
+
+
+def in_cpu_optimizer() -> bool:
+    """Whether the caller is AdamW's per-tensor CPU loop, which reads its step count (the recipes' CUDA runs use the
+    fused AdamW, which does not)."""
+    return any("torch/optim/" in frame.filename for frame in traceback.extract_stack(limit=8))
+
+
+class Recording(L.Callback):
+    """Counts host reads of tensors per optimizer step, from the step's start to the next step's start."""
+
+    def __init__(self, reads: collections.Counter) -> None:
+        self.reads = reads
+        self.step: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.step = trainer.global_step + 1
+
+
+def test_host_reads_only_at_log_steps(tmp_path, monkeypatch) -> None:
+    """The demo recipe's callbacks (throughput, memory, learning rate, depth probes), the progress bar and the
+    logger read training tensors on the host only at steps that log (every `log_every_n_steps`)."""
+    reads: collections.Counter = collections.Counter()
+    recording = Recording(reads)
+    for name in READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            if recording.step is not None and not in_cpu_optimizer():
+                reads[recording.step] += 1
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "12"]
+    args += ["--trainer.log_every_n_steps", "4", "--trainer.limit_val_batches", "0", "--checkpoint.save_last", "false"]
+    args += ["--data.seq_len", "32", "--data.batch_size", "2"]
+    cli = MharCLI(args=args, run=False)
+    cli.trainer.callbacks.append(recording)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert any(reads[step] for step in (4, 8)), "the logger reads the logged metrics at log steps"
+    between = {step: reads[step] for step in range(2, 12) if step % 4 and reads[step]}
+    assert not between, f"host reads at steps that do not log: {between}"
+
+
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_bar_shows_the_training_loss(tmp_path, log_every) -> None:
+    """The loss is logged without `prog_bar` (which would read it every step); the bar still shows it."""
+    args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "3"]
+    args += ["--trainer.log_every_n_steps", str(log_every), "--trainer.limit_val_batches", "0"]
+    args += ["--checkpoint.save_last", "false", "--data.seq_len", "32", "--data.batch_size", "2"]
+    cli = MharCLI(args=args, run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    bar = cli.trainer.progress_bar_callback
+    shown = bar.get_metrics(cli.trainer, cli.model)
+    assert float(shown["train/loss"]) == pytest.approx(float(cli.trainer.callback_metrics["train/loss"]), rel=1e-3)
+    assert "train/loss" not in cli.trainer.progress_bar_metrics
