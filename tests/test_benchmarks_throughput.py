@@ -1,59 +1,98 @@
-"""`benchmarks/throughput.py`'s summary table: ratios to `sum` of the same repeat, worked out by hand."""
+"""`benchmarks/throughput.py`'s CPU-side pieces: the random corpus a recipe reads, flags, turns and the table."""
 
 import importlib.util
-import sys
+import threading
+import time
 from pathlib import Path
 
-_DIR = Path(__file__).parents[1] / "benchmarks"
-sys.path.insert(0, str(_DIR))  # the script imports `gpu_idle` from beside it
-_SPEC = importlib.util.spec_from_file_location("throughput", _DIR / "throughput.py")
+import pytest
+
+from mhar_lightning.data import TokenDataModule
+
+_PATH = Path(__file__).parents[1] / "benchmarks" / "throughput.py"
+_SPEC = importlib.util.spec_from_file_location("throughput", _PATH)
 throughput = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(throughput)
-sys.path.remove(str(_DIR))
 
 
-def row(variant: str, repeat: int, tok_s: float, kernels_ms: float | None, opt_host: float) -> dict:
-    r = {
-        "preset": "350m",
-        "precision": "autocast",
-        "variant": variant,
-        "repeat": repeat,
-        "tok_s": tok_s,
-        "tok_s_pipelined": tok_s * 1.1,
-        "peak_gib": 20.0,
-        "step_s": 16384 / tok_s,
-        "host_s": 0.05,
-        "compile_s": 60.0,
-        "phase_ms": {"optimizer host": opt_host},
-    }
-    if kernels_ms is not None:
-        r["kernels_ms"] = kernels_ms
-    return r
+def test_random_corpus_is_a_prepared_folder_the_data_module_reads(tmp_path: Path) -> None:
+    folder = throughput.random_corpus(tmp_path / "corpus", "byte", 50_000)
+    data = TokenDataModule(path=str(folder), tokenizer="byte", seq_len=64, batch_size=4)
+    data.prepare_data()
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch.shape == (4, 65) and int(batch.max()) < 256
+    assert next(iter(data.val_dataloader())).shape == (4, 65)
 
 
-def table(rows: list[dict], capsys) -> dict[str, list[str]]:
-    """Each variant's cells (blank ones dropped), by variant."""
-    throughput.print_summary(rows)
-    header, *lines = capsys.readouterr().out.splitlines()
-    assert header.split()[-6:] == ["opt", "host", "pipelined", "kernels", "compile", "s"]
-    return {line.split()[2]: line.split() for line in lines}
-
-
-def test_kernel_ratio_pairs_each_repeat_with_its_sum(capsys):
-    rows = [
-        row("sum", 0, 100.0, 80.0, 1.5),
-        row("mhar", 0, 90.0, 100.0, 2.5),
-        row("sum", 1, 100.0, 90.0, 1.9),
-        row("mhar", 1, 90.0, 90.0, 3.5),
-        row("sum", 2, 100.0, 85.0, 2.1),
-        row("mhar", 2, 90.0, 100.0, 4.5),
+def test_flags_and_their_errors() -> None:
+    parser = throughput.argparse.ArgumentParser()
+    assert throughput.flags(["model.compile=false", "data.batch_size=4"], parser) == [
+        "--model.compile",
+        "false",
+        "--data.batch_size",
+        "4",
     ]
-    lines = table(rows, capsys)
-    # optimizer host ms (median of 2.5, 3.5, 4.5), pipelined, kernels (80/100, 90/90, 85/100: median 0.85), compile s
-    assert lines["mhar"][-4:] == ["3.50", "0.900", "0.850", "60.0"]
-    assert lines["sum"][-4:] == ["1.90", "1.000", "1.000", "60.0"]
+    with pytest.raises(SystemExit):
+        throughput.flags(["model.compile"], parser)
 
 
-def test_kernel_ratio_blank_without_profile(capsys):
-    lines = table([row("sum", 0, 100.0, None, 1.5), row("mhar", 0, 90.0, None, 2.0)], capsys)
-    assert lines["mhar"][-3:] == ["2.00", "0.900", "60.0"]
+def test_turns_wait_for_every_run_then_time_one_at_a_time(tmp_path: Path) -> None:
+    """Two runs of a wave: neither times before both are warm, and their timed spans never overlap."""
+    spans = {}
+
+    def run(me: int, warmup_s: float) -> None:
+        turns = throughput.Turns(str(tmp_path), [0, 1], me)
+        time.sleep(warmup_s)
+        turns.acquire()
+        start = time.monotonic()
+        time.sleep(0.2)
+        spans[me] = (start, time.monotonic())
+        turns.release()
+        turns.mark("gone")
+
+    threads = [threading.Thread(target=run, args=(0, 0.0)), threading.Thread(target=run, args=(1, 0.6))]
+    begin = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert min(start for start, _ in spans.values()) - begin >= 0.6  # the fast run waited for the slow one's warmup
+    (a0, a1), (b0, b1) = sorted(spans.values())
+    assert a1 <= b0
+
+
+def row(recipe: str, preset: str, tok_s: float, peak: float, loop: str = "trainer", probe: float = 0.0) -> dict:
+    return {
+        "recipe": recipe,
+        "loop": loop,
+        "preset": preset,
+        "compile": True,
+        "compiled_autograd": True,
+        "tok_s": tok_s,
+        "step_ms": 16384 / tok_s * 1e3,
+        "mfu": 0.4,
+        "peak_gib": peak,
+        "probe_s": {"DepthAttentionLogger": probe} if probe else {},
+        "every_n_steps": {"DepthAttentionLogger": 1000},
+    }
+
+
+def test_summary_ratios_are_to_the_first_row_of_the_same_loop_and_preset() -> None:
+    rows = [
+        row("pretrain/350m-sum.yaml", "350m", 160_000, 20.0),
+        row("pretrain/350m-mhar.yaml", "350m", 144_000, 21.0, probe=1.024),
+        row("pretrain/1b-sum.yaml", "1b", 70_000, 28.0),
+        row("pretrain/1b-mhar.yaml", "1b", 63_000, 29.4),
+        row("pretrain/350m-sum.yaml", "350m", 170_000, 20.0, loop="bare"),
+    ]
+    cells = {
+        (line.split("|")[1].strip(), line.split("|")[2].strip()): [c.strip() for c in line.split("|")[3:-1]]
+        for line in throughput.summary(rows).splitlines()[2:]
+    }
+    assert cells[("pretrain/350m-mhar.yaml", "trainer")][:2] == ["144,000", "0.900"]
+    assert cells[("pretrain/350m-mhar.yaml", "trainer")][4:6] == ["21.00", "1.050"]
+    # one probe of 1.024 s every 1000 steps of 16384 / 144000 s: 0.90 % of the steps' time
+    assert cells[("pretrain/350m-mhar.yaml", "trainer")][6] == "DepthAttentionLogger 1024 ms (0.90 %)"
+    assert cells[("pretrain/1b-mhar.yaml", "trainer")][:2] == ["63,000", "0.900"]
+    assert cells[("pretrain/350m-sum.yaml", "bare")][:2] == ["170,000", "1.000"]
