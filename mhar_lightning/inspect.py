@@ -63,32 +63,32 @@ def corpus_tokens(settings: dict[str, Any], tokenizer_name: str, seq_len: int, r
 
 
 def summary_table(maps: DepthMaps, title: str) -> Table:
-    """One row per routing site: concentration, embedding/recent weight, top source, head disagreement, gate."""
+    """One row per routing site: concentration, embedding/recent weight, top source, head disagreement, and every
+    scalar the strategy records (a gate, write weights)."""
     caption = (
         "entropy: nats, mean over heads · emb / recent: head-mean weight on the embedding / the latest source · "
         "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"
     )
+    columns = {"entropy": maps.entropy(), "emb": maps.embedding_weight(), "recent": maps.recent_weight()}
+    columns.update({"JS": maps.head_js(), "JS q": maps.query_head_js()})
+    columns = {name: values for name, values in columns.items() if values is not None}
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("site", "entropy", "emb", "recent", "top source", "JS", "JS q"):
-        table.add_column(
-            column, justify="left" if column in ("site", "top source") else "right", no_wrap=column != "top source"
-        )
-    if maps.gates is not None:
-        table.add_column("gate", justify="right", no_wrap=True)
+    table.add_column("site", no_wrap=True)
+    for name in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+        if name == "recent":
+            table.add_column("top source")
+    for name in maps.scalars:
+        table.add_column(name, justify="right", no_wrap=True)
     mean = maps.mean_weights
-    columns = zip(maps.entropy(), maps.embedding_weight(), maps.recent_weight(), maps.head_js(), maps.query_head_js())
-    for s, (ent, emb, recent, js, qjs) in enumerate(columns):
+    for s, label in enumerate(maps.site_labels):
         top = int(np.nanargmax(mean[s]))
-        cells = [
-            maps.site_labels[s],
-            f"{ent:.3f}",
-            f"{emb:.3f}",
-            f"{recent:.3f}",
-            f"{maps.source_labels[top]} ({mean[s, top]:.2f})",
-        ]
-        cells += [f"{js:.3f}", f"{qjs:.3f}"]
-        if maps.gates is not None:
-            cells.append(f"{maps.gates[maps.sites[s]]:+.2g}")
+        cells = [label]
+        for name, values in columns.items():
+            cells.append(f"{values[s]:.3f}")
+            if name == "recent":
+                cells.append(f"{maps.source_labels[top]} ({mean[s, top]:.2f})")
+        cells += ["" if np.isnan(v[s]) else f"{v[s]:+.3g}" for v in maps.scalars.values()]
         table.add_row(*cells)
     return table
 

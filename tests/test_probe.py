@@ -10,8 +10,7 @@ from test_residual import randomize_routing
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
 from mhar_lightning.probe import DepthMaps, js_divergence, mean_pairwise_js, routers_of, run_probe
-from mhar_lightning.residual import MHAR, DeltaMHAR
-from mhar_lightning.residual.routed import capture_depth_attention
+from mhar_lightning.residual import MHAR, DeltaMHAR, capture_sites
 
 TINY = ModelConfig.preset("tiny")
 
@@ -33,7 +32,7 @@ def test_capture_is_off_by_default_and_switched_off_after():
     routers = routers_of(model)
     assert len(routers) == TINY.n_layers + 1
     assert all(r.capture is None for r in routers)
-    with capture_depth_attention(model) as captured:
+    with capture_sites(model) as captured:
         model(torch.randint(0, TINY.vocab_size, (1, 5)))
     assert sorted(captured.weights) == sorted(captured.keys) == list(range(TINY.n_sublayers + 1))
     assert captured.weights[3].shape == (4, 4)  # sublayer 3 (mlp 1) sees the embedding and three sublayer outputs
@@ -61,7 +60,7 @@ def test_capture_changes_neither_loss_nor_gradients(residual):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain_loss, plain_grads = loss_and_grads()
-    with capture_depth_attention(model) as captured:
+    with capture_sites(model) as captured:
         captured_loss, captured_grads = loss_and_grads()
     assert captured.weights
     assert torch.equal(plain_loss, captured_loss)
@@ -131,7 +130,7 @@ def test_block_and_delta_layouts():
     assert delta.site_labels[-1] == "mlp 3"  # no final routing
     assert delta.source_labels == ("null", "emb", "Δ block 1", "Δ block 2", "Δ block 3")
     assert (~np.isnan(delta.mean_weights)).sum(1).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]
-    np.testing.assert_array_equal(delta.gates, np.zeros(TINY.n_sublayers))
+    np.testing.assert_array_equal(delta.scalars["delta_gate"], np.zeros(TINY.n_sublayers))
 
 
 def test_js_divergence_against_hand_computed_values():
@@ -155,4 +154,4 @@ def test_npz_round_trip_keeps_labels(tmp_path):
     loaded = DepthMaps.load(maps.save(tmp_path / "maps.npz"))
     assert loaded.site_labels == maps.site_labels and loaded.source_labels == maps.source_labels
     np.testing.assert_array_equal(loaded.weights, maps.weights)
-    np.testing.assert_array_equal(loaded.gates, maps.gates)
+    np.testing.assert_array_equal(loaded.scalars["delta_gate"], maps.scalars["delta_gate"])
