@@ -72,7 +72,7 @@ def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys
         (
             "--model.residual",
             "mhra",
-            "unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum",
+            "unknown residual strategy 'mhra'; known: attnres, delta-mhar, hyper-connections, mhar, sum",
         ),
         ("--model.preset", "2b", "unknown model preset '2b'"),
         ("--model.compile_options", '{"combo_kernel": true}', "unknown Inductor option(s) ['combo_kernel']"),

@@ -47,7 +47,7 @@ def test_registry_names_and_errors():
     assert isinstance(make_residual("sum"), SumResidual)
     assert make_residual("mhar", heads=4, blocks=2).blocks == 2
     with pytest.raises(
-        ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"
+        ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, hyper-connections, mhar, sum"
     ):
         make_residual("mhra")
     with pytest.raises(ValueError, match=r"^residual \{'heads': 3\} names no strategy; give arguments with its class"):

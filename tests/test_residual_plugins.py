@@ -71,7 +71,7 @@ def fit_args(root: Path, *config: str) -> list[str]:
 
 
 def test_entry_point_names_are_listed_and_imported_on_use(plugin: Path) -> None:
-    assert {"rezero", "broken", "sum"} <= set(RESIDUALS)
+    assert {"rezero", "broken", "sum", "hyper-connections"} <= set(RESIDUALS)
     assert "rezero_plugin" not in sys.modules  # listing names imports nothing
     strategy = make_residual("rezero", init=0.5)
     assert type(strategy).__module__ == "rezero_plugin" and strategy.init == 0.5

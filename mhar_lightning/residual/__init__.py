@@ -12,6 +12,7 @@ from mhar_lightning.residual.base import (
     sublayer_label,
 )
 from mhar_lightning.residual.delta import DeltaMHAR
+from mhar_lightning.residual.hyper import HyperConnections
 from mhar_lightning.residual.routed import MHAR, AttnRes, DepthRouter
 from mhar_lightning.residual.sum import SumResidual
 
@@ -21,6 +22,7 @@ __all__ = [
     "AttnRes",
     "DeltaMHAR",
     "DepthRouter",
+    "HyperConnections",
     "MHAR",
     "Residual",
     "SiteCapture",
