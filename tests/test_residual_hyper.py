@@ -119,7 +119,7 @@ def test_dynamic_weight_gradients_match_finite_differences() -> None:
 
 def test_compiled_block_traces_whole_and_matches_eager() -> None:
     torch.manual_seed(0)
-    model = Decoder(TINY, HyperConnections())
+    model = Decoder(ModelConfig.preset("tiny", n_layers=1), HyperConnections())  # one block: one compile
     with torch.no_grad():
         for p in hc_parameters(model).values():
             p.normal_(std=0.1)
