@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 from test_residual import randomize_routing
+from torch import nn
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
 from mhar_lightning.probe import DepthMaps, js_divergence, mean_pairwise_js, routers_of, run_probe
-from mhar_lightning.residual import MHAR, DeltaMHAR, capture_sites
+from mhar_lightning.residual import MHAR, DeltaMHAR, Residual, capture_sites
 
 TINY = ModelConfig.preset("tiny")
 
@@ -155,3 +156,37 @@ def test_npz_round_trip_keeps_labels(tmp_path):
     assert loaded.site_labels == maps.site_labels and loaded.source_labels == maps.source_labels
     np.testing.assert_array_equal(loaded.weights, maps.weights)
     np.testing.assert_array_equal(loaded.scalars["delta_gate"], maps.scalars["delta_gate"])
+
+
+class EmbeddingMix(Residual):
+    """A user strategy outside the kit: each sublayer reads softmax(w_l) over [embedding, running sum]."""
+
+    def build(self, config):
+        self.logits = nn.Parameter(torch.zeros(len(self.sites), 2))
+
+    def start(self, embedding):
+        return (embedding, embedding)
+
+    def read(self, stream, l):
+        weights = torch.softmax(self.logits[self.site(l)], -1) if l < self.n_sublayers else torch.tensor([0.0, 1.0])
+        if self.capture is not None:
+            self.record(l, weights[None], temperature=weights.max())
+        return weights[0] * stream[0] + weights[1] * stream[1]
+
+    def write(self, stream, l, y):
+        return (stream[0], stream[1] + y)
+
+    def source_labels(self):
+        return ("emb", "sum")
+
+
+def test_a_user_strategy_describes_its_own_sources_and_scalars():
+    model = Decoder(TINY, EmbeddingMix())
+    with torch.no_grad():
+        model.blocks[1].residual.logits[0] = torch.tensor([2.0, 0.0])  # attn 1 leans on the embedding
+    maps = run_probe(model, torch.randint(0, TINY.vocab_size, (1, 5)))
+    assert maps.source_labels == ("emb", "sum") and maps.site_labels[-1] == "final" and maps.query_weights is None
+    attn1 = maps.site_labels.index("attn 1")
+    np.testing.assert_allclose(maps.mean_weights[attn1], [1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2))], rtol=1e-6)
+    np.testing.assert_allclose(maps.embedding_weight()[[0, -1]], [0.5, 0.0])
+    np.testing.assert_allclose(maps.scalars["temperature"][attn1], 1 / (1 + math.exp(-2)), rtol=1e-6)
