@@ -16,6 +16,7 @@ from mhar_lightning.residual import (
     SumResidual,
     make_residual,
     register_residual,
+    residual_name,
 )
 
 TINY = ModelConfig.preset("tiny")
@@ -43,9 +44,20 @@ def randomize_routing(model: Decoder, seed: int = 1) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
+class Unnamed(Residual):
+    """A strategy registered under no name."""
+
+    def read(self, stream, l):
+        return stream[0]
+
+    def write(self, stream, l, y):
+        return (stream[0] + y,)
+
+
 def test_registry_names_and_errors():
     assert isinstance(make_residual("sum"), SumResidual)
     assert make_residual("mhar", heads=4, blocks=2).blocks == 2
+    assert residual_name(DeltaMHAR()) == "delta-mhar" and residual_name(Unnamed()) == f"{__name__}.Unnamed"
     with pytest.raises(
         ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, hyper-connections, mhar, sum"
     ):

@@ -9,6 +9,7 @@ from mhar_lightning.residual.base import (
     capture_sites,
     make_residual,
     register_residual,
+    residual_name,
     sublayer_label,
 )
 from mhar_lightning.residual.delta import DeltaMHAR
@@ -31,5 +32,6 @@ __all__ = [
     "capture_sites",
     "make_residual",
     "register_residual",
+    "residual_name",
     "sublayer_label",
 ]

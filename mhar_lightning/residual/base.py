@@ -220,6 +220,12 @@ def register_residual(name: str):
     return add
 
 
+def residual_name(template: Residual) -> str:
+    """The name a user knows `template`'s strategy by: its registered name, else its class path."""
+    names = [name for name, cls in RESIDUALS.classes.items() if cls is type(template)]
+    return names[0] if names else template.spec()["class_path"]
+
+
 def import_class(class_path: str) -> type[Residual]:
     """The `Residual` subclass named by a dotted `class_path`; one line naming the fix when it cannot be imported."""
     module, _, name = class_path.rpartition(".")
