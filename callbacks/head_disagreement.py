@@ -16,9 +16,9 @@ class HeadDisagreementProbe(ProbeCallback):
     - `head_js_query/<site>`: between the distributions the trained queries imply on their own: each head's
       query chunk (key gain folded in) against the probe's token-mean RMS-normalised source keys.
 
-    Both are logged as scalars, and at the end of training as a per-site bar chart image `head_js/per_site`. With
-    one head (AttnRes) heads cannot disagree: it logs 0 and says so once. Same schedule and probe batch (and forward)
-    as `DepthAttentionLogger`.
+    Both are logged (the second for query-based strategies only) as scalars, and at the end of training as a
+    per-site bar chart image `head_js/per_site`. With one head (AttnRes, hyper-connections) heads cannot disagree:
+    it logs 0 and says so once. Same schedule and probe batch (and forward) as `DepthAttentionLogger`.
 
     Args:
         every_n_steps: optimizer steps between probes.
@@ -32,11 +32,12 @@ class HeadDisagreementProbe(ProbeCallback):
     def write(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:
         captured, from_queries = maps.head_js(), maps.query_head_js()
         if maps.heads == 1 and not self._told_single_head:
-            rank_zero_info("HeadDisagreementProbe: 1 head per site (AttnRes), so head disagreement is 0 by definition.")
+            rank_zero_info("HeadDisagreementProbe: 1 head per site, so head disagreement is 0 by definition.")
             self._told_single_head = True
         sites = [tag_name(label) for label in maps.site_labels]
         metrics = {f"head_js/{site}": float(v) for site, v in zip(sites, captured)}
-        metrics.update({f"head_js_query/{site}": float(v) for site, v in zip(sites, from_queries)})
+        if from_queries is not None:
+            metrics.update({f"head_js_query/{site}": float(v) for site, v in zip(sites, from_queries)})
         log_scalars(trainer, metrics, step)
 
     def write_final(self, trainer: L.Trainer, maps: DepthMaps, step: int) -> None:

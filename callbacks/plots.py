@@ -23,6 +23,7 @@ CAPTION = "each row sums to 1 · blank: source not available at that site"
 SOURCE_NOTES = {
     "partial": "block b: sum of block b's sublayer outputs · partial: this block's outputs so far",
     "null": "null: learned null source · Δ block b: residual-stream change over block b",
+    "stream 0": "stream k: the k-th of the parallel residual streams (hyper-connections)",
 }
 
 
@@ -133,7 +134,9 @@ def disagreement_figure(maps: DepthMaps, suffix: str = "") -> Figure:
     The axis ends at 1.3x the largest value (at least 0.05, at most the 1-bit maximum) so early, small
     disagreement stays visible; the printed values make steps comparable.
     """
-    values = {"captured weights": maps.head_js(), "from trained queries": maps.query_head_js()}
+    values = {"captured weights": maps.head_js()}
+    if maps.query_weights is not None:
+        values["from trained queries"] = maps.query_head_js()
     note = " (H = 1: heads cannot disagree, 0 by definition)" if maps.heads == 1 else f" between {maps.heads} heads"
     ymax = min(1.0, max(0.05, 1.3 * max(v.max() for v in values.values())))
     return site_bar_figure(

@@ -86,7 +86,15 @@ class MharCLI(LightningCLI):
             for flag in (arg.partition("=")[0] for arg in args):
                 if flag in ("--model.vocab_size", "--model.seq_len"):
                     raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
-            self.config = parser.parse_args(with_recipe_bases(args))
+            try:
+                self.config = parser.parse_args(with_recipe_bases(args))
+            except (ImportError, AttributeError) as error:
+                if not failed_class_path_import(error):
+                    raise
+                raise ConfigError(
+                    f"a class_path in the config cannot be imported ({error}): check its spelling, install the package"
+                    " that provides it or add its directory to PYTHONPATH"
+                ) from None
         else:
             super().parse_arguments(parser, args)
         check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
@@ -165,6 +173,14 @@ def check_linked_fields(config) -> None:
     for field in ("vocab_size", "max_seq_len"):
         if field in overrides:
             raise ConfigError(linked_field_error(f"model_overrides.{field}", overrides[field]))
+
+
+def failed_class_path_import(error: BaseException) -> bool:
+    """Whether `error` was raised by jsonargparse importing a config's `class_path` (not by a bug elsewhere)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "import_object"
 
 
 def linked_field_error(field: str, value: object = None) -> str:

@@ -26,6 +26,7 @@ STRATEGIES: dict[str, dict[str, Any] | str] = {
     "mhar-block": {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}},
     "mhar-full": {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": None}},
     "delta-mhar": {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 1}},
+    "hyper-connections": "hyper-connections",
 }
 """Strategies compared by default; blocks and heads sized for the `tiny` preset (4 layers, d = 64)."""
 

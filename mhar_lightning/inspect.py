@@ -1,6 +1,7 @@
 """`mhar inspect CKPT`: depth-attention maps of a trained checkpoint, as a PNG and a table in the terminal."""
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,33 +63,46 @@ def corpus_tokens(settings: dict[str, Any], tokenizer_name: str, seq_len: int, r
     return next(iter(data.val_dataloader()))[:, :-1]
 
 
+def scalar_columns(scalars: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]]:
+    """Per-site scalars grouped into table columns: `name_0 .. name_k` (e.g. a weight per stream) share one."""
+    columns: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for name, values in scalars.items():
+        match = re.fullmatch(r"(.+)_(\d+)", name)
+        group, index = (match.group(1), int(match.group(2))) if match else (name, 0)
+        columns.setdefault(group, []).append((index, values))
+    return {group: [values for _, values in sorted(members, key=lambda m: m[0])] for group, members in columns.items()}
+
+
 def summary_table(maps: DepthMaps, title: str) -> Table:
-    """One row per routing site: concentration, embedding/recent weight, top source, head disagreement, gate."""
+    """One row per routing site: concentration, embedding/recent weight, top source, head disagreement (with several
+    heads), and every scalar the strategy records (a gate; write weights, one per stream, in one column)."""
     caption = (
         "entropy: nats, mean over heads · emb / recent: head-mean weight on the embedding / the latest source · "
         "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"
     )
+    columns = {"entropy": maps.entropy(), "emb": maps.embedding_weight(), "recent": maps.recent_weight()}
+    if maps.heads > 1:
+        columns.update({"JS": maps.head_js(), "JS q": maps.query_head_js()})
+    columns = {name: values for name, values in columns.items() if values is not None}
+    extra = scalar_columns(maps.scalars)
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("site", "entropy", "emb", "recent", "top source", "JS", "JS q"):
-        table.add_column(
-            column, justify="left" if column in ("site", "top source") else "right", no_wrap=column != "top source"
-        )
-    if maps.gates is not None:
-        table.add_column("gate", justify="right", no_wrap=True)
+    table.add_column("site", no_wrap=True)
+    for name in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+        if name == "recent":
+            table.add_column("top source")
+    for name in extra:
+        table.add_column(name, justify="right", no_wrap=True)
     mean = maps.mean_weights
-    columns = zip(maps.entropy(), maps.embedding_weight(), maps.recent_weight(), maps.head_js(), maps.query_head_js())
-    for s, (ent, emb, recent, js, qjs) in enumerate(columns):
+    for s, label in enumerate(maps.site_labels):
         top = int(np.nanargmax(mean[s]))
-        cells = [
-            maps.site_labels[s],
-            f"{ent:.3f}",
-            f"{emb:.3f}",
-            f"{recent:.3f}",
-            f"{maps.source_labels[top]} ({mean[s, top]:.2f})",
-        ]
-        cells += [f"{js:.3f}", f"{qjs:.3f}"]
-        if maps.gates is not None:
-            cells.append(f"{maps.gates[maps.sites[s]]:+.2g}")
+        cells = [label]
+        for name, values in columns.items():
+            cells.append(f"{values[s]:.3f}")
+            if name == "recent":
+                cells.append(f"{maps.source_labels[top]} ({mean[s, top]:.2f})")
+        for members in extra.values():
+            cells.append(" ".join("" if np.isnan(v[s]) else f"{v[s]:.3g}" for v in members).strip())
         table.add_row(*cells)
     return table
 
@@ -96,7 +110,7 @@ def summary_table(maps: DepthMaps, title: str) -> Table:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mhar inspect`; returns the process exit code."""
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=max(120, Console().width))  # a row per site is worth more than fitting 80 columns
     err = Console(stderr=True)
     model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
     if not routers_of(model):

@@ -1,38 +1,30 @@
 """Depth-attention probing shared by the callbacks and `mhar inspect`: run a probe batch, label, summarise.
 
-`run_probe` runs a model on a token batch under `capture_depth_attention` and returns `DepthMaps`: for every
-routing site (the input of each sublayer, plus the final read where the strategy has one) the softmax
-weights per head over that site's sources, averaged over the probe's tokens, laid out on one shared source
-axis so that a site x source heatmap is meaningful (cells of sources a site cannot see are NaN):
+`run_probe` runs a model on a token batch under `capture_sites` and returns `DepthMaps`: for every routing
+site (the input of each sublayer, plus the final read where the strategy has one) the weights per head over
+that site's sources, averaged over the probe's tokens, laid out on one shared source axis so that a site x
+source heatmap is meaningful (cells of sources a site cannot see are NaN). The strategy names the sources and
+says which site reads which (`Residual.source_labels`, `Residual.site_sources`), e.g.:
 
 - full routing (`mhar`/`attnres` without blocks): `emb, attn 0, mlp 0, attn 1, ...` (a triangle);
 - block routing: `emb, block 1 .. block N, partial` where `block b` is the finished sum of block b's sublayer
   outputs and `partial` is the running sum of the reading sublayer's own block (absent at a block's start);
-- `delta-mhar`: `null, emb, Δ block 1, ...` (block deltas of the untouched residual stream; no final read).
+- `delta-mhar`: `null, emb, Δ block 1, ...` (block deltas of the untouched residual stream; no final read);
+- `hyper-connections`: `stream 0 .. stream n-1` (the read weights of the n parallel streams).
 """
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mhar_lightning.parallel import full_tensor
-from mhar_lightning.residual.delta import DeltaMHAR
-from mhar_lightning.residual.routed import MHAR, DepthRouter, capture_depth_attention
+from mhar_lightning.residual import Residual, capture_sites, sublayer_label
 
 Reduce = Callable[[Tensor], Tensor]
 """Averages a tensor over data-parallel ranks (identity on one process)."""
-
-
-def sublayer_label(l: int, n_sublayers: int) -> str:
-    """`attn i` / `mlp i` for sublayer `l` of transformer block i; `final` for the final read (l = L)."""
-    if l == n_sublayers:
-        return "final"
-    return f"{'attn' if l % 2 == 0 else 'mlp'} {l // 2}"
 
 
 def tag_name(label: str) -> str:
@@ -51,42 +43,22 @@ class DepthLayout:
     """`columns[s][n]`: the column of source n of site s (sources in the order the router sees them)."""
 
 
-def routers_of(model: nn.Module) -> list[DepthRouter]:
-    """The spawned depth routers of `model` in module order, strategy templates left out (empty for `sum`)."""
-    return [m for m in model.modules() if isinstance(m, DepthRouter) and hasattr(m, "sites")]
+def routers_of(model: nn.Module) -> list[Residual]:
+    """The spawned routers of `model` whose strategy describes sources to probe (none for `sum`), in module order."""
+    return [m for m in model.modules() if isinstance(m, Residual) and hasattr(m, "sites") and m.source_labels()]
 
 
-def depth_layout(routers: Sequence[DepthRouter], sources_per_site: dict[int, int]) -> DepthLayout:
-    """The shared source axis for `routers`, checked against the source counts seen in a capture.
-
-    Strategies other than MHAR/AttnRes/delta-MHAR get generic `source n` columns.
-    """
+def depth_layout(routers: Sequence[Residual], sources_per_site: dict[int, int]) -> DepthLayout:
+    """The shared source axis of `routers`' strategy, checked against the source counts seen in a capture."""
     if not routers:
-        raise ValueError("the model has no depth routers (residual 'sum'): there are no depth-attention weights")
-    router, n_sublayers = routers[0], routers[0].n_sublayers
+        raise ValueError("the model's residual has no routing sites to probe (e.g. 'sum')")
+    by_site = {l: r for r in routers for l in r.sites}
+    labels, n_sublayers = routers[0].source_labels(), routers[0].n_sublayers
     sites = tuple(sorted(sources_per_site))
-    if isinstance(router, DeltaMHAR):
-        n_deltas = max(sources_per_site.values()) - 2
-        labels = ["null", "emb", *(f"Δ block {b}" for b in range(1, n_deltas + 1))]
-        columns = [tuple(range(2 + l // router.block_len)) for l in sites]
-    elif isinstance(router, MHAR) and router.block_len == 1:
-        labels = ["emb", *(sublayer_label(i, n_sublayers) for i in range(n_sublayers))]
-        columns = [tuple(range(l + 1)) for l in sites]
-    elif isinstance(router, MHAR):
-        n_blocks = math.ceil(n_sublayers / router.block_len)
-        labels = ["emb", *(f"block {b}" for b in range(1, n_blocks + 1)), "partial"]
-        columns = [
-            tuple(range(l // router.block_len + 1)) + ((len(labels) - 1,) if l % router.block_len else ())
-            for l in sites
-        ]
-    else:
-        labels = [f"source {n}" for n in range(max(sources_per_site.values()))]
-        columns = [tuple(range(sources_per_site[l])) for l in sites]
+    columns = [by_site[l].site_sources(l) for l in sites]
     for l, cols in zip(sites, columns):
         if len(cols) != sources_per_site[l]:
-            raise ValueError(
-                f"site {l}: layout expects {len(cols)} sources, the router routed over {sources_per_site[l]}"
-            )
+            raise ValueError(f"site {l}: layout expects {len(cols)} sources, the router recorded {sources_per_site[l]}")
     used = sorted({c for cols in columns for c in cols})
     renumber = {c: i for i, c in enumerate(used)}
     return DepthLayout(
@@ -122,16 +94,17 @@ def mean_pairwise_js(p: np.ndarray) -> np.ndarray:
 class DepthMaps:
     """Depth-attention weights of one probe: `weights[site, head, source]`, NaN where a site lacks a source.
 
-    `query_weights` holds the same per-head distributions computed directly from the trained queries against
-    the probe's token-mean normalised keys (see `run_probe`); `gates` the delta-MHAR gate of every sublayer.
+    `query_weights` (query-based strategies only) holds the same per-head distributions computed directly from
+    the trained queries against the probe's token-mean normalised keys (see `run_probe`); `scalars` the named
+    per-site values a strategy records (e.g. `delta_gate`), each [sites], NaN at sites without it.
     """
 
     sites: tuple[int, ...]
     site_labels: tuple[str, ...]
     source_labels: tuple[str, ...]
     weights: np.ndarray
-    query_weights: np.ndarray
-    gates: np.ndarray | None = None
+    query_weights: np.ndarray | None = None
+    scalars: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def heads(self) -> int:
@@ -146,8 +119,10 @@ class DepthMaps:
         """[sites]: entropy (nats) of each head's token-averaged depth distribution, averaged over heads."""
         return entropy(self.weights).mean(axis=1)
 
-    def embedding_weight(self) -> np.ndarray:
-        """[sites]: head-averaged weight on the token embedding."""
+    def embedding_weight(self) -> np.ndarray | None:
+        """[sites]: head-averaged weight on the token embedding (None when the embedding is not a source)."""
+        if "emb" not in self.source_labels:
+            return None
         return self.mean_weights[:, self.source_labels.index("emb")]
 
     def recent_weight(self) -> np.ndarray:
@@ -160,9 +135,9 @@ class DepthMaps:
         """[sites]: mean pairwise JS divergence (bits) between the heads' captured depth distributions."""
         return mean_pairwise_js(self.weights)
 
-    def query_head_js(self) -> np.ndarray:
+    def query_head_js(self) -> np.ndarray | None:
         """[sites]: the same, between the distributions computed from the trained queries (`query_weights`)."""
-        return mean_pairwise_js(self.query_weights)
+        return None if self.query_weights is None else mean_pairwise_js(self.query_weights)
 
     def save(self, path: str | Path) -> Path:
         """Write an `.npz` with the weights and their site/source labels (load it back with `DepthMaps.load`)."""
@@ -173,10 +148,9 @@ class DepthMaps:
             "site_labels": np.array(self.site_labels),
             "source_labels": np.array(self.source_labels),
             "weights": self.weights,
-            "query_weights": self.query_weights,
+            **({} if self.query_weights is None else {"query_weights": self.query_weights}),
+            **{f"scalar/{name}": values for name, values in self.scalars.items()},
         }
-        if self.gates is not None:
-            arrays["gates"] = self.gates
         np.savez(path, **arrays)
         return path
 
@@ -188,18 +162,9 @@ class DepthMaps:
                 site_labels=tuple(str(s) for s in data["site_labels"]),
                 source_labels=tuple(str(s) for s in data["source_labels"]),
                 weights=data["weights"],
-                query_weights=data["query_weights"],
-                gates=data.get("gates"),
+                query_weights=data.get("query_weights"),
+                scalars={k.removeprefix("scalar/"): data[k] for k in data.files if k.startswith("scalar/")},
             )
-
-
-def query_weights(router: DepthRouter, l: int, mean_keys: Tensor) -> Tensor:
-    """[heads, sources]: softmax over depth of each head's query chunk (key gain folded in) against `mean_keys`."""
-    j = router.site(l)
-    u = (full_tensor(router.query)[j].float() * full_tensor(router.key_norm)[j].float()).cpu()
-    chunks = u.view(router.heads, -1)
-    keys = mean_keys.view(mean_keys.shape[0], router.heads, -1)
-    return torch.softmax(torch.einsum("nhc,hc->hn", keys, chunks), dim=-1)
 
 
 def _layout_array(per_site: Sequence[Tensor], layout: DepthLayout) -> np.ndarray:
@@ -222,36 +187,43 @@ def run_probe(model: nn.Module, tokens: Tensor, reduce: Reduce | None = None) ->
 
     `tokens` is [B, T] model input. `reduce` averages the captured statistics over data-parallel ranks (one
     call on one flat tensor) before anything is derived from them, so every rank ends with the same maps; the
-    model runs on every rank (as FSDP needs). `query_weights` take each head's softmax of its trained query
-    chunk against the token-mean RMS-normalised key of every source: the routing the queries alone imply for a
-    typical token, which separates the queries' own disagreement from token-to-token variation.
+    model runs on every rank (as FSDP needs). For a query-based strategy, `query_weights` take each head's
+    softmax of its trained query chunk against the token-mean RMS-normalised key of every source: the routing
+    the queries alone imply for a typical token, which separates the queries' own disagreement from
+    token-to-token variation.
     """
     routers = routers_of(model)
     if not routers:
-        raise ValueError("the model has no depth routers (residual 'sum'): there are no depth-attention weights")
+        raise ValueError("the model's residual has no routing sites to probe (e.g. 'sum')")
     reduce = reduce or (lambda t: t)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), capture_depth_attention(model) as captured:
+        with torch.no_grad(), capture_sites(model) as captured:
             model(tokens)
     finally:
         model.train(was_training)
-    by_site = {l: r for r in routers for l in r.sites if l in captured.weights}
+    by_site = {l: r for r in routers for l in r.sites}
     layout = depth_layout(routers, {l: w.shape[-1] for l, w in captured.weights.items()})
-    n = len(layout.sites)
-    stats = [captured.weights[l] for l in layout.sites] + [captured.keys[l] for l in layout.sites]
-    reduced = _reduce_together(stats, reduce)
-    weights, mean_keys = reduced[:n], reduced[n:]
-    from_queries = [query_weights(by_site[l], l, k) for l, k in zip(layout.sites, mean_keys)]
-    gates = [
-        full_tensor(r.gate).detach().float().cpu() for r in routers if isinstance(r, DeltaMHAR) and hasattr(r, "gate")
-    ]
+    keyed = [l for l in layout.sites if l in captured.keys]
+    scalar_keys = [(l, name) for l in layout.sites for name in sorted(captured.scalars.get(l, {}))]
+    stats = [captured.weights[l] for l in layout.sites] + [captured.keys[l] for l in keyed]
+    stats += [captured.scalars[l][name] for l, name in scalar_keys]
+    reduced = iter(_reduce_together(stats, reduce))
+    weights = [next(reduced) for _ in layout.sites]
+    mean_keys = {l: next(reduced) for l in keyed}
+    scalars: dict[str, np.ndarray] = {}
+    for (l, name), value in zip(scalar_keys, reduced):
+        scalars.setdefault(name, np.full(len(layout.sites), np.nan))[layout.sites.index(l)] = float(value)
+    query_weights = None
+    if keyed == list(layout.sites):
+        from_queries = [by_site[l].query_weights(captured.queries[l], mean_keys[l]) for l in layout.sites]
+        query_weights = _layout_array(from_queries, layout)
     return DepthMaps(
         sites=layout.sites,
         site_labels=layout.site_labels,
         source_labels=layout.source_labels,
         weights=_layout_array(weights, layout),
-        query_weights=_layout_array(from_queries, layout),
-        gates=torch.cat(gates).numpy() if gates else None,
+        query_weights=query_weights,
+        scalars=scalars,
     )

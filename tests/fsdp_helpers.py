@@ -15,12 +15,13 @@ from safetensors.torch import save_file
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.model import Decoder
-from mhar_lightning.residual import make_residual
+from mhar_lightning.residual import HyperConnections, make_residual
 from mhar_lightning.tokenizer import load_tokenizer
 
 SCRIPT = Path(__file__).with_name("fsdp_run.py")
 MHAR = {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}
 DELTA = {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 2}}
+HC = {"class_path": "mhar_lightning.residual.HyperConnections", "init_args": {"rate": 3, "dynamic": True}}
 
 
 def tiny_corpus(root: Path) -> Path:
@@ -38,18 +39,19 @@ def converted_init(root: Path, residual: dict, tie: bool = True, seed: int = 1) 
     The routing queries are randomised too, so that routing actually mixes depth from the first step.
     """
     config = ModelConfig.preset("tiny", max_seq_len=32, tie_embeddings=tie)
-    name = {"MHAR": "mhar", "DeltaMHAR": "delta-mhar"}[residual["class_path"].rsplit(".", 1)[1]]
-    out = root / f"init-{name}-{'tied' if tie else 'untied'}"
+    template = make_residual(residual)
+    std = 0.05 if isinstance(template, HyperConnections) else 0.5  # larger stream mixes compound rounding over depth
+    out = root / f"init-{type(template).__name__}-{'tied' if tie else 'untied'}"
     torch.manual_seed(seed)
-    model = Decoder(config, make_residual(residual))
+    model = Decoder(config, template)
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if ".residual." in param_name or param_name.startswith("final_residual."):
-                p.normal_(std=0.5)
+                p.normal_(std=std)
     out.mkdir(exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tie and k == "head.weight")}
     save_file(state, str(out / "model.safetensors"))
-    meta = {"format_version": 1, "model": config.to_dict(), "residual": {"name": name, "args": residual["init_args"]}}
+    meta = {"format_version": 1, "model": config.to_dict(), "residual": template.spec()}
     (out / "mhar_config.json").write_text(json.dumps(meta))
     return model, out
 

@@ -69,7 +69,11 @@ def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys
     "flag,value,message",
     [
         ("--model.residual.heads", "3", "heads=3 must divide d_model=64"),
-        ("--model.residual", "mhra", "unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"),
+        (
+            "--model.residual",
+            "mhra",
+            "unknown residual strategy 'mhra'; known: attnres, delta-mhar, hyper-connections, mhar, sum",
+        ),
         ("--model.preset", "2b", "unknown model preset '2b'"),
         ("--model.compile_options", '{"combo_kernel": true}', "unknown Inductor option(s) ['combo_kernel']"),
         ("--ckpt_path", "missing.ckpt", "checkpoint missing.ckpt does not exist"),

@@ -100,7 +100,10 @@ def test_converted_checkpoint_round_trip(hf_dir, tmp_path):
     path, reference = hf_dir
     out = save_converted(path, tmp_path / "conv", "delta-mhar", max_shard_size="60KB", **DELTA)
     meta = json.loads((out / "mhar_config.json").read_text())
-    assert meta["residual"] == {"name": "delta-mhar", "args": DELTA} and len(list(out.glob("model-*"))) >= 2
+    assert (
+        meta["residual"] == {"class_path": "mhar_lightning.residual.delta.DeltaMHAR", "init_args": DELTA}
+        and len(list(out.glob("model-*"))) >= 2
+    )
     config, template, state = load_converted(out)
     assert config == hf_config_to_model_config(json.loads((path / "config.json").read_text()))
     fresh = Decoder(config, template)

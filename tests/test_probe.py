@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 from test_residual import randomize_routing
+from torch import nn
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
 from mhar_lightning.probe import DepthMaps, js_divergence, mean_pairwise_js, routers_of, run_probe
-from mhar_lightning.residual import MHAR, DeltaMHAR
-from mhar_lightning.residual.routed import capture_depth_attention
+from mhar_lightning.residual import MHAR, DeltaMHAR, Residual, capture_sites
 
 TINY = ModelConfig.preset("tiny")
 
@@ -33,7 +33,7 @@ def test_capture_is_off_by_default_and_switched_off_after():
     routers = routers_of(model)
     assert len(routers) == TINY.n_layers + 1
     assert all(r.capture is None for r in routers)
-    with capture_depth_attention(model) as captured:
+    with capture_sites(model) as captured:
         model(torch.randint(0, TINY.vocab_size, (1, 5)))
     assert sorted(captured.weights) == sorted(captured.keys) == list(range(TINY.n_sublayers + 1))
     assert captured.weights[3].shape == (4, 4)  # sublayer 3 (mlp 1) sees the embedding and three sublayer outputs
@@ -61,7 +61,7 @@ def test_capture_changes_neither_loss_nor_gradients(residual):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain_loss, plain_grads = loss_and_grads()
-    with capture_depth_attention(model) as captured:
+    with capture_sites(model) as captured:
         captured_loss, captured_grads = loss_and_grads()
     assert captured.weights
     assert torch.equal(plain_loss, captured_loss)
@@ -131,7 +131,7 @@ def test_block_and_delta_layouts():
     assert delta.site_labels[-1] == "mlp 3"  # no final routing
     assert delta.source_labels == ("null", "emb", "Δ block 1", "Δ block 2", "Δ block 3")
     assert (~np.isnan(delta.mean_weights)).sum(1).tolist() == [2, 2, 3, 3, 4, 4, 5, 5]
-    np.testing.assert_array_equal(delta.gates, np.zeros(TINY.n_sublayers))
+    np.testing.assert_array_equal(delta.scalars["delta_gate"], np.zeros(TINY.n_sublayers))
 
 
 def test_js_divergence_against_hand_computed_values():
@@ -155,4 +155,38 @@ def test_npz_round_trip_keeps_labels(tmp_path):
     loaded = DepthMaps.load(maps.save(tmp_path / "maps.npz"))
     assert loaded.site_labels == maps.site_labels and loaded.source_labels == maps.source_labels
     np.testing.assert_array_equal(loaded.weights, maps.weights)
-    np.testing.assert_array_equal(loaded.gates, maps.gates)
+    np.testing.assert_array_equal(loaded.scalars["delta_gate"], maps.scalars["delta_gate"])
+
+
+class EmbeddingMix(Residual):
+    """A user strategy outside the kit: each sublayer reads softmax(w_l) over [embedding, running sum]."""
+
+    def build(self, config):
+        self.logits = nn.Parameter(torch.zeros(len(self.sites), 2))
+
+    def start(self, embedding):
+        return (embedding, embedding)
+
+    def read(self, stream, l):
+        weights = torch.softmax(self.logits[self.site(l)], -1) if l < self.n_sublayers else torch.tensor([0.0, 1.0])
+        if self.capture is not None:
+            self.record(l, weights[None], temperature=weights.max())
+        return weights[0] * stream[0] + weights[1] * stream[1]
+
+    def write(self, stream, l, y):
+        return (stream[0], stream[1] + y)
+
+    def source_labels(self):
+        return ("emb", "sum")
+
+
+def test_a_user_strategy_describes_its_own_sources_and_scalars():
+    model = Decoder(TINY, EmbeddingMix())
+    with torch.no_grad():
+        model.blocks[1].residual.logits[0] = torch.tensor([2.0, 0.0])  # attn 1 leans on the embedding
+    maps = run_probe(model, torch.randint(0, TINY.vocab_size, (1, 5)))
+    assert maps.source_labels == ("emb", "sum") and maps.site_labels[-1] == "final" and maps.query_weights is None
+    attn1 = maps.site_labels.index("attn 1")
+    np.testing.assert_allclose(maps.mean_weights[attn1], [1 / (1 + math.exp(-2)), 1 / (1 + math.exp(2))], rtol=1e-6)
+    np.testing.assert_allclose(maps.embedding_weight()[[0, -1]], [0.5, 0.0])
+    np.testing.assert_allclose(maps.scalars["temperature"][attn1], 1 / (1 + math.exp(-2)), rtol=1e-6)

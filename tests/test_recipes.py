@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from mhar_lightning.callbacks import FinalStepCheckpoint
 
 from mhar_lightning.cli import MharCLI, recipe_chain
-from mhar_lightning.residual import MHAR, AttnRes, Residual, SumResidual
+from mhar_lightning.residual import MHAR, AttnRes, HyperConnections, Residual, SumResidual
 
 RECIPES = REPO / "recipes"
 RUNNABLE = sorted(p for p in RECIPES.rglob("*.yaml") if p.name != "base.yaml" and not p.name.startswith("_"))
@@ -21,6 +21,7 @@ EXPECTED_LEAVES = {
     for s in ("100m", "350m", "1b")
     for v in ("sum", "attnres", "mhar", "mhar-full", "attnres-full")
 }
+EXPECTED_LEAVES |= {f"pretrain/{s}-hc.yaml" for s in ("100m", "350m")}
 EXPECTED_LEAVES |= {f"sweeps/heads-{h}.yaml" for h in (1, 2, 4, 8, 16)}
 ONE_DEVICE = (  # one GPU as the recipe's precision asks (the FSDP recipes ask for 8), else the CPU in fp32
     ["--trainer.devices", "1"]
@@ -53,12 +54,13 @@ def instantiate(recipe: Path, tmp_path: Path) -> MharCLI:
 
 
 def expected_residual(name: str) -> tuple[type, int, int | None]:
-    """(class, heads, blocks) that a recipe's file name promises."""
+    """(class, heads, blocks) that a recipe's file name promises; for hyper-connections (class, rate, dynamic)."""
     if name.startswith("heads-"):
         return MHAR, int(name.removeprefix("heads-")), 8
     variant = name.split("-", 1)[1]
     return {
         "sum": (SumResidual, 0, None),
+        "hc": (HyperConnections, 4, True),
         "attnres": (AttnRes, 1, 8),
         "attnres-full": (AttnRes, 1, None),
         "mhar": (MHAR, 8, 8),
@@ -110,7 +112,9 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     if recipe in LEAVES:
         cls, heads, blocks = expected_residual(recipe.stem)
         assert type(model.residual) is cls
-        if cls is not SumResidual:
+        if cls is HyperConnections:
+            assert (model.residual.rate, model.residual.dynamic) == (heads, blocks)
+        elif cls is not SumResidual:
             assert (model.residual.heads, model.residual.blocks) == (heads, blocks)
         assert model.hparams.preset == ("100m" if recipe.parent.name == "sweeps" else recipe.stem.split("-")[0])
     with torch.device("meta"):

@@ -11,11 +11,12 @@ from mhar_lightning.residual import (
     MHAR,
     AttnRes,
     DeltaMHAR,
+    DepthRouter,
     Residual,
     SumResidual,
-    capture_depth_attention,
     make_residual,
     register_residual,
+    residual_name,
 )
 
 TINY = ModelConfig.preset("tiny")
@@ -43,10 +44,23 @@ def randomize_routing(model: Decoder, seed: int = 1) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
+class Unnamed(Residual):
+    """A strategy registered under no name."""
+
+    def read(self, stream, l):
+        return stream[0]
+
+    def write(self, stream, l, y):
+        return (stream[0] + y,)
+
+
 def test_registry_names_and_errors():
     assert isinstance(make_residual("sum"), SumResidual)
     assert make_residual("mhar", heads=4, blocks=2).blocks == 2
-    with pytest.raises(ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, mhar, sum"):
+    assert residual_name(DeltaMHAR()) == "delta-mhar" and residual_name(Unnamed()) == f"{__name__}.Unnamed"
+    with pytest.raises(
+        ValueError, match="unknown residual strategy 'mhra'; known: attnres, delta-mhar, hyper-connections, mhar, sum"
+    ):
         make_residual("mhra")
     with pytest.raises(ValueError, match=r"^residual \{'heads': 3\} names no strategy; give arguments with its class"):
         make_residual({"heads": 3})  # what `--model.residual mhar --model.residual.init_args.heads 3` passes
@@ -98,7 +112,7 @@ class Constant(nn.Module):
         return self.value.expand_as(x)
 
 
-def test_block_bookkeeping_follows_design():
+def test_block_bookkeeping_follows_design(monkeypatch):
     config = ModelConfig.preset("tiny", n_layers=6)
     model = Decoder(config, MHAR(heads=2, blocks=3))  # 12 sublayers, blocks of 4
     y = [torch.full((config.d_model,), 2.0**l) for l in range(12)]
@@ -106,9 +120,9 @@ def test_block_bookkeeping_follows_design():
         block.attn, block.mlp = Constant(y[2 * i]), Constant(y[2 * i + 1])
     seen = {}
     tokens = torch.randint(0, config.vocab_size, (1, 3))
-    with capture_depth_attention(model) as captured:  # every read hands its full list of sources to the capture
-        captured.record = lambda l, sources, *args: seen.setdefault(l, list(sources))
-        model(tokens)
+    # every read hands its full list of sources to the capture
+    monkeypatch.setattr(DepthRouter, "record_route", lambda self, sources, l, **_: seen.setdefault(l, list(sources)))
+    model(tokens)
     emb = model.embed(tokens)
 
     def block_sum(first, last):

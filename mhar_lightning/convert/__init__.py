@@ -4,7 +4,8 @@ Converted-checkpoint format (a directory; `save_converted` writes it, `load_conv
 
     mhar_config.json    {"format_version": 1,
                          "model": {ModelConfig fields},
-                         "residual": {"name": "delta-mhar", "args": {"heads": 8, "block_size": 4}},
+                         "residual": {"class_path": "mhar_lightning.residual.DeltaMHAR",
+                                      "init_args": {"heads": 8, "block_size": 4}},
                          "dtype": "bfloat16",
                          "source": {"path": ..., "hf_config": {the source config.json}}}
     model.safetensors   every parameter under `Decoder.state_dict()` names, routing included
@@ -17,7 +18,7 @@ The source's tokenizer files (`tokenizer.json`, `tokenizer_config.json`, `specia
 `model.init_from` and `data.tokenizer`. `mhar_config.json` is written last: a directory without it is an
 interrupted conversion. `"model"` holds every `ModelConfig` field (vocabulary, norm eps, RoPE theta and
 scaling, head size, biases, tied head), so a run takes the whole shape from it (`pretrained_model`).
-Rebuild the model with `Decoder(ModelConfig(**model), make_residual(name, **args))`; then the state
+Rebuild the model with `Decoder(ModelConfig(**model), make_residual(residual))`; then the state
 dict loads strictly (`converted_state_dict`, memory-mapped).
 """
 

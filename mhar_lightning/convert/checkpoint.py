@@ -45,17 +45,6 @@ def residual_template(residual: str | Residual, **residual_args) -> Residual:
         raise ConversionError(f"residual {residual!r} takes {takes}, not {', '.join(residual_args)}") from error
 
 
-def residual_spec(template: Residual) -> dict:
-    """`{"name": ..., "args": {...}}` that rebuilds `template` through `make_residual` (arguments resolved)."""
-    names = [name for name, cls in RESIDUALS.items() if cls is type(template)]
-    if not names:
-        raise ConversionError(f"{type(template).__qualname__} is not registered; decorate it with @register_residual")
-    unkept = [arg for arg in init_args(type(template)) if not hasattr(template, arg)]
-    if unkept:
-        raise ConversionError(f"{names[0]!r} must keep its arguments {', '.join(unkept)} as attributes to be recorded")
-    return {"name": names[0], "args": {arg: getattr(template, arg) for arg in init_args(type(template))}}
-
-
 def meta_decoder(config: ModelConfig, template: Residual) -> Decoder:
     """A `Decoder` whose parameters live on the meta device (no memory) until `materialize` fills them."""
     with torch.device("meta"):
@@ -121,14 +110,13 @@ def save_converted(
     model = meta_decoder(source.config, template)
     dtype = dtype or source.dtype
     entries = source.entries(model, dtype) + routing_entries(model, dtype)
-    spec = residual_spec(template)
     out = fresh_dir(out_dir)
     write_sharded(out, entries, parse_size(max_shard_size))
     copy_tokenizer_files(src_dir, out)
     meta = {
         "format_version": FORMAT_VERSION,
         "model": source.config.to_dict(),
-        "residual": spec,
+        "residual": template.spec(),
         "dtype": str(dtype).removeprefix("torch."),
         "source": {"path": str(Path(src_dir).resolve()), "hf_config": source.hf_config},
     }
@@ -162,12 +150,17 @@ def converted_state_dict(path: str | Path) -> dict[str, Tensor]:
     return state
 
 
+def converted_residual(meta: dict) -> Residual:
+    """The residual template that `mhar_config.json` contents `meta` record: `{class_path, init_args}`, or the
+    `{name, args}` of converted checkpoints written before."""
+    spec = meta["residual"]
+    return make_residual(spec) if "class_path" in spec else residual_template(spec["name"], **spec["args"])
+
+
 def load_converted(path: str | Path) -> tuple[ModelConfig, Residual, dict[str, Tensor]]:
     """The model config, residual template and memory-mapped state dict of converted checkpoint `path`."""
     meta = read_converted_config(path)
-    spec = meta["residual"]
-    template = residual_template(spec["name"], **spec["args"])
-    return ModelConfig(**meta["model"]), template, converted_state_dict(path)
+    return ModelConfig(**meta["model"]), converted_residual(meta), converted_state_dict(path)
 
 
 def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:

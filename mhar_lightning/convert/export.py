@@ -6,7 +6,12 @@ from pathlib import Path
 import torch
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.checkpoint import CONFIG_FILE, converted_state_dict, read_converted_config
+from mhar_lightning.convert.checkpoint import (
+    CONFIG_FILE,
+    converted_residual,
+    converted_state_dict,
+    read_converted_config,
+)
 from mhar_lightning.convert.hf_llama import TOKEN_KEYS, copy_tokenizer_files, hf_names, model_config_to_hf_config
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
@@ -42,8 +47,9 @@ def export_hf(
         tensors = dict(model_or_dir.named_parameters())
     else:
         meta = read_converted_config(model_or_dir)
-        if meta["residual"]["name"] != "sum":
-            raise ConversionError(ROUTED_MESSAGE.format(repr(meta["residual"]["name"])))
+        residual = converted_residual(meta)
+        if not isinstance(residual, SumResidual):
+            raise ConversionError(ROUTED_MESSAGE.format(type(residual).__name__))
         config, tokens = ModelConfig(**meta["model"]), meta.get("source", {}).get("hf_config", {})
         tensors = converted_state_dict(model_or_dir)
     entries = [

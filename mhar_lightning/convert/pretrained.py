@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.checkpoint import CONFIG_FILE, read_converted_config, residual_template
+from mhar_lightning.convert.checkpoint import CONFIG_FILE, converted_residual, read_converted_config
 from mhar_lightning.convert.safetensors_io import ConversionError
-from mhar_lightning.residual import RESIDUALS, Residual, make_residual
+from mhar_lightning.residual import RESIDUALS, Residual, make_residual, residual_name
 from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
 
 RUN_FIELDS = ("max_seq_len",)
@@ -37,8 +37,7 @@ def pretrained_model(
         )
     meta = read_converted_config(init_from)
     config = ModelConfig(**meta["model"])
-    spec = meta["residual"]
-    template = residual_template(spec["name"], **spec["args"])
+    template = converted_residual(meta)
     where = f"init_from={init_from}"
     overrides = dict(overrides or {})
     run = {f: overrides.pop(f) for f in RUN_FIELDS if f in overrides}
@@ -51,7 +50,7 @@ def pretrained_model(
         given, flag, fields = replace(config, **overrides), "model.model_overrides", list(overrides)
     check_agree(flag, {f: getattr(given, f) for f in fields}, config, where)
     if residual is not None:
-        check_residual(residual, template, spec["name"], where)
+        check_residual(residual, template, residual_name(template), where)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConversionError(
             f"data.tokenizer has {vocab_size} tokens but the model of {where} has a {config.vocab_size}-token "

@@ -58,8 +58,16 @@ class DeltaMHAR(DepthRouter):
 
     def read(self, stream: Stream, l: int) -> Tensor:
         p, _, mix_attn, mix_mlp, *sources = stream
-        self.record(sources, l)
-        return p + self.gate[self.site(l)] * (mix_attn, mix_mlp)[self.site(l)]
+        gate = self.gate[self.site(l)]
+        self.record_route(sources, l, delta_gate=gate)
+        return p + gate * (mix_attn, mix_mlp)[self.site(l)]
+
+    def source_labels(self) -> tuple[str, ...]:
+        """`null, emb, Δ block 1, ...`: the block deltas of the untouched residual stream."""
+        return ("null", "emb", *(f"Δ block {b}" for b in range(1, (self.n_sublayers - 1) // self.block_len + 1)))
+
+    def site_sources(self, l: int) -> tuple[int, ...]:
+        return tuple(range(2 + l // self.block_len))
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
         p, block_start, mix_attn, mix_mlp, *sources = stream

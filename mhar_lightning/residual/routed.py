@@ -1,9 +1,6 @@
 """Depth routing over earlier sublayer outputs: AttnRes (one head) and MHAR (H heads), full or block."""
 
-import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -12,7 +9,7 @@ from mhar_lightning.config import ModelConfig
 from mhar_lightning.kernels import depth_route, depth_route_lse, merge_norm, merge_source
 from mhar_lightning.kernels.reference import check_heads, depth_weights
 from mhar_lightning.norm import RMSNorm
-from mhar_lightning.residual.base import Residual, Stream, register_residual
+from mhar_lightning.residual.base import Residual, Stream, register_residual, sublayer_label
 
 KEY_NORM_EPS = 1e-6
 
@@ -28,30 +25,11 @@ def routing_source(embedding: Tensor) -> Tensor:
     return embedding
 
 
-@dataclass
-class DepthCapture:
-    """What routing sites saw during captured forwards, keyed by sublayer (`n_sublayers` is the final read).
-
-    `weights[l]`: softmax over depth per head, [heads, sources], averaged over tokens.
-    `keys[l]`: RMS-normalised sources averaged over tokens, [sources, d] (what the queries are matched against).
-    """
-
-    weights: dict[int, Tensor] = field(default_factory=dict)
-    keys: dict[int, Tensor] = field(default_factory=dict)
-
-    @torch.no_grad()
-    def record(self, l: int, sources: Stream, query: Tensor, key_norm: Tensor, heads: int) -> None:
-        weights = depth_weights(sources, query, key_norm, heads, KEY_NORM_EPS)
-        self.weights[l] = weights.flatten(0, -3).mean(0).float().cpu()
-        normed = [v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS) for v in sources]
-        self.keys[l] = torch.stack([v.flatten(0, -2).mean(0) for v in normed]).cpu()
-
-
 class DepthRouter(Residual):
     """Shared machinery of routed strategies: a zero-initialised pseudo-query and a key-RMSNorm gain per site.
 
-    While a `DepthCapture` is attached (see `capture_depth_attention`), every routing call also records its
-    token-averaged softmax weights and source keys; otherwise capturing costs nothing.
+    While a capture is attached (see `capture_sites`), every routing call also records its softmax weights
+    and its RMS-normalised source keys (what the queries are matched against); otherwise capturing costs nothing.
     """
 
     def __init__(self, heads: int) -> None:
@@ -59,7 +37,6 @@ class DepthRouter(Residual):
         if heads < 1:
             raise ValueError(f"heads must be >= 1, got {heads}")
         self.heads = heads
-        self.capture: DepthCapture | None = None
 
     def build_sites(self, config: ModelConfig, n_sites: int) -> None:
         check_heads(config.d_model, self.heads)
@@ -74,15 +51,27 @@ class DepthRouter(Residual):
     def start(self, embedding: Tensor) -> Stream:
         return (routing_source(embedding),)
 
-    def record(self, sources: Stream, l: int) -> None:
-        """Hand what sublayer `l` routes over to the attached capture, if any."""
-        if self.capture is not None:
+    def record_route(self, sources: Stream, l: int, **scalars: Tensor) -> None:
+        """Record sublayer `l`'s depth weights over `sources` with the attached capture, if any."""
+        if self.capture is None:
+            return
+        with torch.no_grad():
             j = self.site(l)
-            self.capture.record(l, sources, self.query[j], self.key_norm[j], self.heads)
+            weights = depth_weights(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+            normed = (
+                v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS) for v in sources
+            )
+            keys = torch.stack([v.flatten(0, -2).mean(0) for v in normed])  # token means, one source at a time
+            self.record(l, weights, keys, self.query[j] * self.key_norm[j], **scalars)
+
+    def query_weights(self, query: Tensor, keys: Tensor) -> Tensor:
+        """Each head's softmax over depth of its chunk of `query` (key gain folded in) against `keys` [sources, d]."""
+        chunks = query.float().view(self.heads, -1)
+        return torch.softmax(torch.einsum("nhc,hc->hn", keys.view(keys.shape[0], self.heads, -1), chunks), dim=-1)
 
     def route(self, sources: Stream, l: int) -> Tensor:
         """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
-        self.record(sources, l)
+        self.record_route(sources, l)
         j = self.site(l)
         return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
 
@@ -147,7 +136,7 @@ class MHAR(DepthRouter):
         if l == self.n_sublayers:  # the final read: one query over the whole stream
             return self.route(stream, l)
         mix_attn, mix_mlp, lse_mlp, *sources = stream
-        self.record(sources, l)
+        self.record_route(sources, l)
         if self.site(l) == 0:
             return mix_attn
         return self.merge(mix_mlp, lse_mlp, sources[-1], l)
@@ -156,8 +145,22 @@ class MHAR(DepthRouter):
         if l == self.n_sublayers or self.site(l) == 0 or not isinstance(norm, RMSNorm):
             return norm(self.read(stream, l))
         _, mix_mlp, lse_mlp, *sources = stream
-        self.record(sources, l)
+        self.record_route(sources, l)
         return self.merge(mix_mlp, lse_mlp, sources[-1], l, norm)
+
+    def source_labels(self) -> tuple[str, ...]:
+        """Full routing: `emb, attn 0, mlp 0, ...`; block routing: `emb, block 1 .. block N, partial`."""
+        n = self.n_sublayers
+        if self.block_len == 1:
+            return ("emb", *(sublayer_label(i, n) for i in range(n)))
+        return ("emb", *(f"block {b}" for b in range(1, math.ceil(n / self.block_len) + 1)), "partial")
+
+    def site_sources(self, l: int) -> tuple[int, ...]:
+        """The embedding, the finished blocks and (past a block's first sublayer) the partial sum of l's block."""
+        if self.block_len == 1:
+            return tuple(range(l + 1))
+        partial = (len(self.source_labels()) - 1,) if l % self.block_len else ()
+        return (*range(l // self.block_len + 1), *partial)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
         mix_attn, mix_mlp, lse_mlp, *sources = stream
@@ -174,17 +177,3 @@ class AttnRes(MHAR):
 
     def __init__(self, blocks: int | None = None) -> None:
         super().__init__(heads=1, blocks=blocks)
-
-
-@contextlib.contextmanager
-def capture_depth_attention(model: nn.Module) -> Iterator[DepthCapture]:
-    """Record the depth attention of every routing site of `model` while the context is open."""
-    captured = DepthCapture()
-    routers = [m for m in model.modules() if isinstance(m, DepthRouter)]
-    for router in routers:
-        router.capture = captured
-    try:
-        yield captured
-    finally:
-        for router in routers:
-            router.capture = None
