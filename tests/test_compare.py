@@ -10,8 +10,13 @@ import torch
 from cli_helpers import DEMO, scalars
 
 from mhar_lightning.cli import main as mhar
+from mhar_lightning.compare import STRATEGIES
 from mhar_lightning.compare import main as compare
+from mhar_lightning.convert import load_decoder
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.study.continuation import convert_checkpoint
 from mhar_lightning.study.grid import run_dir
+from mhar_lightning.study.results import routing_params
 
 FAST = [
     "--trainer.max_steps", "6",
@@ -123,3 +128,25 @@ def test_rerun_and_report_only_rebuild_the_same_report(study: Path, tmp_path: Pa
 def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: Path, capsys) -> None:
     assert compare([*args, "--out", str(tmp_path)]) == 1
     assert message in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["sum", "delta-mhar"])
+def test_converted_checkpoint_computes_what_the_run_computed(study: Path, tmp_path: Path, target: str) -> None:
+    ckpt = run_dir(study, "sum", 0) / "checkpoints" / "last.ckpt"
+    trained = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    converted = load_decoder(convert_checkpoint(ckpt, tmp_path / target, STRATEGIES[target])).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(converted(tokens), trained(tokens))
+    assert (routing_params(converted) > 0) == (target == "delta-mhar")
+
+
+def test_continued_runs_start_from_the_converted_source(study: Path, tmp_path: Path) -> None:
+    out = tmp_path / "continued"
+    source = run_dir(study, "sum", 0)
+    args = ["delta-mhar", "--recipe", str(DEMO), "--continue-from", str(source.parent), "--out", str(out), *FAST]
+    assert compare([*args, "--trainer.max_steps", "3"]) == 0
+    result = json.loads((run_dir(out, "delta-mhar", 0) / "result.json").read_text())
+    assert result["initial_val_loss"] == pytest.approx(scalars(source, "val/loss")[5], abs=1e-6)
+    assert result["steps"] == 3 and result["routing_params"] > 0
+    assert "## Starting point of continued runs" in (out / "report.md").read_text()

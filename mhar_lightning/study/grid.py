@@ -2,6 +2,7 @@
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -38,11 +39,11 @@ class Variant:
 
     def describe(self) -> str:
         """The variant's definition in one line: recipe, then the residual it sets."""
+        recipe = self.recipe.resolve()
+        recipe = recipe.relative_to(Path.cwd()) if recipe.is_relative_to(Path.cwd()) else recipe
         if self.residual is None:
-            return str(self.recipe)
-        return (
-            f"{self.recipe} + residual {self.residual if isinstance(self.residual, str) else json.dumps(self.residual)}"
-        )
+            return str(recipe)
+        return f"{recipe} + residual {self.residual if isinstance(self.residual, str) else json.dumps(self.residual)}"
 
 
 def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, Any] | str]) -> Variant:
@@ -120,10 +121,20 @@ def run_dir(study: Path, variant: str, seed: int) -> Path:
 def mhar(args: list[str], log: Path) -> None:
     """`mhar ARGS` in a fresh Python process, its output appended to `log`; on failure raise with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as out:
-        out.write(f"$ mhar {' '.join(args)}\n")
-        out.flush()
-        done = subprocess.run([sys.executable, "-m", "mhar_lightning.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+    # SIGTERM (a job's time limit) becomes SystemExit, on which subprocess.run kills the run instead of orphaning it
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        with log.open("a") as out:
+            out.write(f"$ mhar {' '.join(args)}\n")
+            out.flush()
+            cmd = [sys.executable, "-m", "mhar_lightning.cli", *args]
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if done.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise RuntimeError(f"`mhar {args[0]}` failed (exit {done.returncode}); the end of {log}:\n{tail}")
+
+
+def terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -56,16 +56,18 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
 
 
 def head_groups(summaries: list[VariantSummary], runs: list[RunResult]) -> dict[str, list[tuple[int, str]]]:
-    """Variants that differ only in `heads`: group label -> [(heads, variant)], for groups of two or more."""
+    """Routed variants that differ only in their number of heads (AttnRes counts as one head): group label ->
+    [(heads, variant)], for groups with two or more head counts. Heads are read from the run's depth maps."""
     groups: dict[str, list[tuple[int, str]]] = {}
-    residuals = {r.variant: r.hparams.get("residual") for r in runs}
+    settings = {r.variant: r.hparams for r in runs}
     for summary in summaries:
-        residual = residuals.get(summary.variant)
-        if not isinstance(residual, dict) or "heads" not in residual.get("init_args", {}):
+        hparams = settings.get(summary.variant, {})
+        heads, residual = hparams.get("routing_heads"), hparams.get("residual")
+        if heads is None or not isinstance(residual, dict):
             continue
-        others = {k: v for k, v in residual["init_args"].items() if k != "heads"}
-        label = residual["class_path"].rpartition(".")[2] + "".join(f" {k}={v}" for k, v in sorted(others.items()))
-        groups.setdefault(label, []).append((residual["init_args"]["heads"], summary.variant))
+        others = {k: v for k, v in residual.get("init_args", {}).items() if k != "heads"}
+        label = ", ".join(f"{k}={v}" for k, v in sorted(others.items())) or "routed"
+        groups.setdefault(label, []).append((heads, summary.variant))
     return {label: sorted(members) for label, members in groups.items() if len({h for h, _ in members}) > 1}
 
 

@@ -160,7 +160,8 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         f"{len(runs)} finished runs of {len(summaries)} variants, seeds {', '.join(map(str, seeds))}. Baseline:"
         f" `{baseline}`. Validation loss is the last logged `val/loss` of each run; `± ` is the sample standard"
         f" deviation over seeds; the gap to `{baseline}` is paired by seed (same seed, same data order). Speed and"
-        " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a run; memory: peak allocated).",
+        " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a"
+        " run; memory: peak allocated).",
         "",
         "## Summary",
         "",

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.probe import DepthMaps
 from mhar_lightning.residual import Residual
 from mhar_lightning.study.grid import RESULT_FILE
 
@@ -129,6 +130,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str) -> RunResu
     maps = sorted(latest.glob("depth_attention/step_*.npz"))
     if maps:
         shutil.copyfile(maps[-1], run_dir / DEPTH_MAPS)
+    heads = DepthMaps.load(run_dir / DEPTH_MAPS).heads if (run_dir / DEPTH_MAPS).is_file() else None
     train = scalars[TRAIN_LOSS]
     peak = scalars[PEAK_MEMORY]
     return RunResult(
@@ -146,7 +148,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str) -> RunResu
         tokens_per_sec=speed or device_speed,
         peak_memory_gib=max(peak.values()) if peak else None,
         initial_val_loss=initial_val_loss(run_dir),
-        hparams={"residual": hparams.get("residual"), "preset": hparams.get("preset")},
+        hparams={"residual": hparams["residual"], "preset": hparams.get("preset"), "routing_heads": heads},
     )
 
 
