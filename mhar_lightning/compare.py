@@ -1,6 +1,7 @@
 """`mhar compare`: train a grid of variants x seeds with `mhar fit`, resumably, and report on it."""
 
 import argparse
+import json
 import logging
 import shutil
 import sys
@@ -14,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from mhar_lightning.study import plots, report
 from mhar_lightning.study.continuation import convert_checkpoint
-from mhar_lightning.study.grid import LOG_FILE, Run, Variant, mhar, parse_variant, run_dir
-from mhar_lightning.study.results import RunResult, read_run
+from mhar_lightning.study.grid import LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
+from mhar_lightning.study.results import RunResult, initial_val_loss, read_run
 
 STRATEGIES: dict[str, dict[str, Any] | str] = {
     "sum": "sum",
@@ -37,6 +38,8 @@ TINY_OVERRIDES = [
     "--model.optimizer.warmup_steps",
     "20",
 ]
+STUDY_FILE = "study.json"
+"""The variants of a study, baseline first, for `--report-only DIR`."""
 OWN_FLAGS = {"--recipe", "--seeds", "--out", "--baseline", "--only", "--max-runs", "--time-budget", "--report-only",
              "--continue-from"}  # fmt: skip
 
@@ -82,7 +85,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         metavar="SECONDS",
         help="start no run that would end past this many seconds, judged by the longest run so far",
     )
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report of the finished runs")
+    parser.add_argument(
+        "--report-only",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="train nothing: rebuild the report of the study in DIR (default: --out) from its finished runs",
+    )
     parser.add_argument(
         "--continue-from",
         type=Path,
@@ -91,7 +100,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     own, overrides = split_overrides(argv)
     args = parser.parse_args(own)
-    if not args.variants:
+    if args.report_only:
+        args.out = Path(args.report_only)
+    if not args.variants and args.report_only is None:
         args.variants = list(STRATEGIES)
         overrides = [*TINY_OVERRIDES, *overrides]
     if not args.recipe.is_file():
@@ -129,19 +140,21 @@ def prepare_continuation(run: Run, source: Path) -> None:
         if run.init_from.exists():
             shutil.rmtree(run.init_from)
         convert_checkpoint(ckpt, run.init_from, run.variant.residual)
-    initial = run.dir / "initial"
-    if not (initial / "tensorboard").is_dir():
-        args = ["validate", *run.base_args(), "--trainer.default_root_dir", str(initial)]
+    if initial_val_loss(run.dir) is None:
+        args = ["validate", *run.base_args(), "--trainer.default_root_dir", str(run.dir / "initial")]
         mhar([*args, "--trainer.enable_progress_bar", "false"], run.dir / LOG_FILE)
 
 
-def train(runs: list[Run], args: argparse.Namespace, console: Console) -> int:
-    """Train the unfinished runs within the run-count and time limits; return how many finished."""
+def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
+    """Train the unfinished runs within the run-count and time limits."""
+    for run in runs:
+        if run.dir.is_dir():
+            run.check_arguments()
     todo = [r for r in runs if not r.finished and (not args.only or r.variant.name in args.only)]
     if args.max_runs is not None:
         todo = todo[: args.max_runs]
     console.print(f"{len(runs) - len(todo)} of {len(runs)} runs finished or not selected; {len(todo)} to train")
-    start, longest, done = time.monotonic(), 0.0, 0
+    start, longest = time.monotonic(), 0.0
     columns = [
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -159,15 +172,14 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> int:
             resumed = " (resuming)" if run.last_checkpoint.is_file() else ""
             progress.update(task, description=f"{run.variant.name} seed {run.seed}{resumed}")
             began = time.monotonic()
+            run.check_arguments()
             if run.init_from is not None:
                 prepare_continuation(run, args.continue_from)
             mhar(run.fit_args(), run.dir / LOG_FILE)
             read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
             longest = max(longest, time.monotonic() - began)
-            done += 1
             progress.advance(task)
             console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
-    return done
 
 
 def collect(runs: list[Run], reread: bool) -> list[RunResult]:
@@ -182,27 +194,51 @@ def collect(runs: list[Run], reread: bool) -> list[RunResult]:
     return results
 
 
+def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
+    """Every finished run under `study/runs`, re-read from its logs where they are there, and the variant order."""
+    order = json.loads((study / STUDY_FILE).read_text())["variants"] if (study / STUDY_FILE).is_file() else []
+    results = []
+    for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
+        result = RunResult.load(path.parent)
+        if (path.parent / "tensorboard").is_dir():
+            result = read_run(path.parent, result.variant, result.seed, result.definition)
+            result.save(path.parent)
+        results.append(result)
+    order += sorted({r.variant for r in results} - set(order))
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(results, key=lambda r: (r.seed, rank[r.variant])), order
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     console = Console(width=max(120, Console().width))
+    unfinished = 0
     try:
-        variants, runs = grid(args, overrides)
-        if not args.report_only:
-            train(runs, args, console)
-        results = collect(runs, reread=args.report_only)
+        if args.report_only is not None and not args.variants:
+            results, order = collect_all(args.out)
+        else:
+            variants, runs = grid(args, overrides)
+            order = [v.name for v in variants]
+            if args.baseline:  # the baseline goes first, for a later `--report-only DIR`
+                order = [args.baseline, *(name for name in order if name != args.baseline)]
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / STUDY_FILE).write_text(json.dumps({"variants": order}) + "\n")
+            if args.report_only is None:
+                train(runs, args, console)
+            results = collect(runs, reread=args.report_only is not None)
+            unfinished = sum(not run.finished for run in runs)
     except (ValueError, RuntimeError) as error:
         console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
         return 1
     if not results:
         console.print(f"no finished runs in {args.out}/runs yet")
         return 1
-    baseline = args.baseline or next(v.name for v in variants if any(r.variant == v.name for r in results))
+    baseline = args.baseline or next(name for name in order if any(r.variant == name for r in results))
     summaries = report.summarize(results, baseline)
     paths = plots.write_plots(args.out, results, summaries, baseline)
     path = report.write(args.out, results, summaries, baseline, paths)
-    unfinished = sum(not run.finished for run in runs)
     title = f"{len(results)} runs" + (f" ({unfinished} still to train)" if unfinished else "")
     console.print(report.console_table(summaries, baseline, title))
     console.print(f"report: {path}")

@@ -50,7 +50,7 @@ def events(run: Path) -> dict[Path, float]:
 def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The grid trained in two calls: one finished run and one interrupted run first, then the rest."""
     out = tmp_path_factory.mktemp("study")
-    assert compare([*GRID, "--out", str(out), "--max-runs", "1", *FAST]) == 0
+    assert compare([*GRID, "--out", str(out), "--time-budget", "1", *FAST]) == 0  # no time for a second run
     finished = run_dir(out, "sum", 0)
     assert (finished / "result.json").is_file() and not run_dir(out, "mhar-block", 0).exists()
     interrupted = run_dir(out, "mhar-block", 0)
@@ -108,12 +108,18 @@ def test_rerun_and_report_only_rebuild_the_same_report(study: Path, tmp_path: Pa
     shutil.copytree(study, copy)
     (copy / "report.md").unlink()
     (copy / "results.json").unlink()
-    assert compare([*GRID, "--out", str(copy), "--report-only", *FAST]) == 0
+    assert compare(["--report-only", str(copy)]) == 0  # the runs found in the folder, re-read from their logs
     assert (copy / "report.md").read_text() == report
     for logs in copy.glob("runs/*/*/tensorboard"):  # the committed result files alone are enough
         shutil.rmtree(logs)
     assert compare([*GRID, "--out", str(copy), "--report-only", *FAST]) == 0
     assert (copy / "report.md").read_text() == report
+
+
+def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> None:
+    assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
+    assert "was started as" in capsys.readouterr().out
+    assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
 
 
 @pytest.mark.parametrize(

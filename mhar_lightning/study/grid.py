@@ -15,6 +15,7 @@ import yaml
 from mhar_lightning.residual import RESIDUALS
 
 RESULT_FILE = "result.json"
+ARGS_FILE = "args.json"
 LOG_FILE = "fit.log"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -94,6 +95,18 @@ class Run:
     @property
     def finished(self) -> bool:
         return (self.dir / RESULT_FILE).is_file()
+
+    def check_arguments(self) -> None:
+        """Record the run's definition on its first start; refuse to skip or resume a run started differently."""
+        path = self.dir / ARGS_FILE
+        current = {"variant": self.variant.describe(), "overrides": list(self.overrides), "seed": self.seed}
+        if not path.is_file():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(current, indent=1) + "\n")
+        elif (recorded := json.loads(path.read_text())) != current:
+            raise ValueError(
+                f"{self.dir} was started as {recorded}, not as {current}: pass another --out, or delete the folder"
+            )
 
     @property
     def last_checkpoint(self) -> Path:

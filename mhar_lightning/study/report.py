@@ -18,11 +18,11 @@ def mean_sd(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def train_tail(run: RunResult) -> float:
-    """Mean training loss over the last `TRAIN_TAIL` of the run's steps."""
+def train_tail(run: RunResult) -> float | None:
+    """Mean training loss over the last `TRAIN_TAIL` of the run's steps (else the last logged one, if any)."""
     start = run.steps * (1 - TRAIN_TAIL)
-    tail = [loss for step, loss in run.train_curve if step >= start] or [run.train_curve[-1][1]]
-    return statistics.fmean(tail)
+    tail = [loss for step, loss in run.train_curve if step >= start] or [loss for _, loss in run.train_curve[-1:]]
+    return statistics.fmean(tail) if tail else None
 
 
 @dataclass
@@ -183,7 +183,7 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
             f"{r.tokens:,}",
             f"{r.val_loss:.4f}",
             str(r.val_step),
-            f"{train_tail(r):.4f}",
+            num(train_tail(r), ".4f"),
             num(r.tokens_per_sec, ",.0f"),
         ]
         for r in runs
