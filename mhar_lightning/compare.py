@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    console = Console(width=max(120, Console().width))
+    console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
     unfinished = 0
     try:
         if args.report_only is not None and not args.variants:
