@@ -43,9 +43,10 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
                 continue
             (line,) = ax.plot(tokens, mean, label=f"{name} ({len(runs)} seeds)", marker="." if len(tokens) < 30 else "")
             ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-            tails.append(high[tokens >= 0.25 * tokens[-1]])
+            late = tokens >= 0.25 * tokens[-1]
+            tails.append((low[late].min(), high[late].max()))
         if tails:  # the last three quarters decide the y-range: early losses would flatten the differences
-            top, bottom = max(t.max() for t in tails), min(t.min() for t in tails)
+            bottom, top = min(low for low, _ in tails), max(high for _, high in tails)
             ax.set_ylim(bottom - 0.05 * (top - bottom + 1e-3), top + 0.1 * (top - bottom + 1e-3))
         ax.set_xlabel("tokens")
         ax.set_ylabel(title)

@@ -136,8 +136,9 @@ def summary_rows(summaries: list[VariantSummary], baseline: str) -> tuple[list[s
     return header, rows
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    align = ["---" if i == 0 else "---:" for i in range(len(header))]
+def markdown_table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """Markdown table lines; the first `text_columns` columns are left-aligned, the numbers right-aligned."""
+    align = ["---" if i < text_columns else "---:" for i in range(len(header))]
     return [f"| {' | '.join(cells)} |" for cells in (header, align, *rows)]
 
 
@@ -169,7 +170,7 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         "",
         "## Variants",
         "",
-        *markdown_table(["variant", "definition"], [[s.variant, f"`{s.definition}`"] for s in summaries]),
+        *markdown_table(["variant", "definition"], [[s.variant, f"`{s.definition}`"] for s in summaries], 2),
         "",
         "## Runs",
         "",
