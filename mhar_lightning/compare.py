@@ -153,7 +153,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
     todo = [r for r in runs if not r.finished and (not args.only or r.variant.name in args.only)]
     if args.max_runs is not None:
         todo = todo[: args.max_runs]
-    console.print(f"{len(runs) - len(todo)} of {len(runs)} runs finished or not selected; {len(todo)} to train")
+    console.print(f"{sum(r.finished for r in runs)} of {len(runs)} runs finished; training {len(todo)} in this call")
     start, longest = time.monotonic(), 0.0
     columns = [
         SpinnerColumn(),
