@@ -28,7 +28,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "compare": (
         "mhar_lightning.compare",
         "main",
-        "Train one tiny model per residual strategy and tabulate the results.",
+        "Train variants x seeds with `mhar fit`, resumably, and report on them (report.md, plots).",
     ),
     "inspect": (
         "mhar_lightning.inspect",

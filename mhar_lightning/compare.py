@@ -1,23 +1,22 @@
-"""`mhar compare`: train one small model per residual strategy on the same data and seed, then tabulate them."""
+"""`mhar compare`: train a grid of variants x seeds with `mhar fit`, resumably, and report on it."""
 
 import argparse
+import json
 import logging
-import math
+import shutil
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from mhar_lightning.cli import padded_vocab
-from mhar_lightning.data import TokenDataModule
-from mhar_lightning.module import LanguageModel
-from mhar_lightning.optim import OptimizerConfig
-from mhar_lightning.residual import Residual
+from mhar_lightning.study import plots, report
+from mhar_lightning.study.continuation import convert_checkpoint
+from mhar_lightning.study.grid import LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
+from mhar_lightning.study.results import RunResult, initial_val_loss, read_run
 
 STRATEGIES: dict[str, dict[str, Any] | str] = {
     "sum": "sum",
@@ -28,126 +27,222 @@ STRATEGIES: dict[str, dict[str, Any] | str] = {
     "delta-mhar": {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 1}},
     "hyper-connections": "hyper-connections",
 }
-"""Strategies compared by default; blocks and heads sized for the `tiny` preset (4 layers, d = 64)."""
+"""Strategies by name; blocks and heads sized for the `tiny` preset (4 layers, d = 64). With no variants given,
+`mhar compare` trains them all on the demo recipe for `TINY_OVERRIDES`."""
+
+DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+TINY_OVERRIDES = [
+    "--trainer.max_steps",
+    "200",
+    "--trainer.val_check_interval",
+    "100",
+    "--model.optimizer.warmup_steps",
+    "20",
+]
+STUDY_FILE = "study.json"
+"""The variants of a study, baseline first, for `--report-only DIR`."""
+OWN_FLAGS = {"--recipe", "--seeds", "--out", "--baseline", "--only", "--max-runs", "--time-budget", "--report-only",
+             "--continue-from"}  # fmt: skip
 
 
-@dataclass
-class Result:
-    name: str
-    routing_params: int
-    val_loss: float
-    tokens_per_sec: float
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the runner's own arguments, `--section.key value...` overrides passed on to every `mhar fit`)."""
+    own: list[str] = []
+    overrides: list[str] = []
+    target = own
+    for arg in argv:
+        flag = arg.partition("=")[0]
+        if arg.startswith("--") and "." in flag and flag not in OWN_FLAGS:
+            target = overrides
+        elif arg.startswith("--"):
+            target = own
+        target.append(arg)
+    return own, overrides
 
 
-class StepTimer(L.Callback):
-    """Wall time of the training steps after the first `skip` ones (which include one-off warm-up costs)."""
-
-    def __init__(self, skip: int) -> None:
-        self.skip = skip
-        self.start: float | None = None
-        self.steps = 0
-        self.seconds = 0.0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.skip:
-            self.start = time.perf_counter()
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.start is not None:
-            self.seconds = time.perf_counter() - self.start
-            self.steps = trainer.global_step - self.skip
-
-
-def train_one(name: str, spec: dict[str, Any] | str, args: argparse.Namespace) -> Result:
-    """Train `spec` for `args.steps` steps from seed `args.seed` and validate it on the fixed validation windows."""
-    data = TokenDataModule(
-        tokenizer=args.tokenizer,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        val_samples=args.val_samples,
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="mhar compare",
+        description="Train every variant for every seed with `mhar fit` into OUT/runs/<variant>/seed<k>, skipping "
+        "finished runs and resuming interrupted ones from last.ckpt, then write OUT/report.md, results.json and "
+        "PNG plots from the runs' logs. Any other `--section.key value` is passed to every `mhar fit`.",
     )
-    L.seed_everything(args.seed, verbose=False)
-    model = LanguageModel(
-        preset=args.preset,
-        residual=spec,
-        vocab_size=padded_vocab(data.vocab_size),
-        seq_len=args.seq_len,
-        optimizer=OptimizerConfig(lr=args.lr, warmup_steps=max(1, args.steps // 10)),
+    parser.add_argument(
+        "variants",
+        nargs="*",
+        metavar="VARIANT",
+        help=f"[NAME=]SPEC: a recipe (.yaml), one of {', '.join(STRATEGIES)}, a registered residual name or a "
+        "class path, optionally with arguments (NAME=mhar:heads=2,blocks=8); default: all of the built-in ones",
     )
-    timer = StepTimer(skip=min(5, args.steps - 1))
-    precision = "bf16-mixed" if args.accelerator != "cpu" and torch.cuda.is_available() else "32-true"
-    quiet = {
-        "accelerator": args.accelerator,
-        "devices": 1,
-        "precision": precision,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "use_distributed_sampler": False,
-    }
-    trainer = L.Trainer(
-        max_steps=args.steps, limit_val_batches=0, enable_checkpointing=False, callbacks=[timer], **quiet
+    parser.add_argument("--recipe", type=Path, default=DEMO, help="recipe the strategy variants train with (demo)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of every variant (default: 0)")
+    parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="study folder (default: runs/compare)")
+    parser.add_argument("--baseline", help="variant the others are compared with (default: the first)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="train only these variants (the report has all)")
+    parser.add_argument("--max-runs", type=int, help="train at most this many runs in this call")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="start no run that would end past this many seconds, judged by the longest run so far",
     )
-    trainer.fit(model, datamodule=data)
-    val_loss = L.Trainer(**quiet).validate(model, datamodule=data, verbose=False)[0]["val/loss"]
-    routing = sum(p.numel() for m in model.decoder.modules() if isinstance(m, Residual) for p in m.parameters())
-    tokens = timer.steps * args.batch_size * args.seq_len
-    return Result(name, routing, val_loss, tokens / timer.seconds if timer.seconds else math.nan)
+    parser.add_argument(
+        "--report-only",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="train nothing: rebuild the report of the study in DIR (default: --out) from its finished runs",
+    )
+    parser.add_argument(
+        "--continue-from",
+        type=Path,
+        metavar="DIR",
+        help="start every run from DIR/seed<k>/checkpoints/last.ckpt converted to the variant's strategy",
+    )
+    own, overrides = split_overrides(argv)
+    args = parser.parse_args(own)
+    if args.report_only:
+        args.out = Path(args.report_only)
+    if not args.variants and args.report_only is None:
+        args.variants = list(STRATEGIES)
+        overrides = [*TINY_OVERRIDES, *overrides]
+    if not args.recipe.is_file():
+        parser.error(f"recipe {args.recipe} does not exist: pass --recipe <file>")
+    return args, overrides
 
 
-def table(results: list[Result], args: argparse.Namespace) -> Table:
-    """A rich table of the results, with val-loss differences and speed relative to the first strategy."""
-    base = results[0]
-    title = (
-        f"{args.preset} model, {args.steps} steps x {args.batch_size} x {args.seq_len} {args.tokenizer} tokens, "
-        f"seed {args.seed}; validation on {args.val_samples} windows"
-    )
-    out = Table(title=title)
-    for column in ("strategy", "routing params", "val loss", "val ppl", f"vs {base.name}", "tokens/s", "speed"):
-        out.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
-    for r in results:
-        out.add_row(
-            r.name,
-            f"{r.routing_params:,}",
-            f"{r.val_loss:.4f}",
-            f"{math.exp(r.val_loss):.2f}",
-            f"{r.val_loss - base.val_loss:+.4f}",
-            f"{r.tokens_per_sec:,.0f}",
-            f"{r.tokens_per_sec / base.tokens_per_sec:.2f}x",
-        )
-    return out
+def grid(args: argparse.Namespace, overrides: list[str]) -> tuple[list[Variant], list[Run]]:
+    """Variants and their runs, seed by seed (so a partly done study compares every variant on its first seeds)."""
+    variants = [parse_variant(text, args.recipe, STRATEGIES) for text in args.variants]
+    names = [v.name for v in variants]
+    if len(set(names)) < len(names):
+        raise ValueError(f"variant names repeat in {names}: name them, e.g. mhar-h2=mhar:heads=2")
+    for name in [*(args.only or []), *([args.baseline] if args.baseline else [])]:
+        if name not in names:
+            raise ValueError(f"no variant named {name!r}; the variants are {', '.join(names)}")
+    runs = []
+    for seed in args.seeds:
+        for variant in variants:
+            init = None
+            if args.continue_from is not None:
+                if variant.residual is None:
+                    raise ValueError(f"--continue-from needs strategy variants, not the recipe {variant.recipe}")
+                init = run_dir(args.out, variant.name, seed) / "init"
+            runs.append(Run(variant, seed, run_dir(args.out, variant.name, seed), overrides, init))
+    return variants, runs
+
+
+def prepare_continuation(run: Run, source: Path) -> None:
+    """Convert the source run's last checkpoint into `run.init_from` and validate it into `<run>/initial`."""
+    ckpt = source / f"seed{run.seed}" / "checkpoints" / "last.ckpt"
+    if not ckpt.is_file():
+        raise ValueError(f"{ckpt} does not exist: finish the source run first (or fix --continue-from)")
+    if not (run.init_from / "mhar_config.json").is_file():
+        if run.init_from.exists():
+            shutil.rmtree(run.init_from)
+        convert_checkpoint(ckpt, run.init_from, run.variant.residual)
+    if initial_val_loss(run.dir) is None:
+        args = ["validate", *run.base_args(), "--trainer.default_root_dir", str(run.dir / "initial")]
+        mhar([*args, "--trainer.enable_progress_bar", "false"], run.dir / LOG_FILE)
+
+
+def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
+    """Train the unfinished runs within the run-count and time limits."""
+    for run in runs:
+        if run.dir.is_dir():
+            run.check_arguments()
+    todo = [r for r in runs if not r.finished and (not args.only or r.variant.name in args.only)]
+    if args.max_runs is not None:
+        todo = todo[: args.max_runs]
+    console.print(f"{sum(r.finished for r in runs)} of {len(runs)} runs finished; training {len(todo)} in this call")
+    start, longest = time.monotonic(), 0.0
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("study", total=len(todo))
+        for run in todo:
+            elapsed = time.monotonic() - start
+            if args.time_budget is not None and elapsed + longest > args.time_budget:
+                console.print(f"time budget: stopping after {elapsed:.0f} s (the longest run took {longest:.0f} s)")
+                break
+            resumed = " (resuming)" if run.last_checkpoint.is_file() else ""
+            progress.update(task, description=f"{run.variant.name} seed {run.seed}{resumed}")
+            began = time.monotonic()
+            run.check_arguments()
+            if run.init_from is not None:
+                prepare_continuation(run, args.continue_from)
+            mhar(run.fit_args(), run.dir / LOG_FILE)
+            read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
+            longest = max(longest, time.monotonic() - began)
+            progress.advance(task)
+            console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
+
+
+def collect(runs: list[Run], reread: bool) -> list[RunResult]:
+    """The finished runs' results, re-read from their logs where the logs are there and `reread` is set."""
+    results = []
+    for run in runs:
+        if not run.finished:
+            continue
+        if reread and (run.dir / "tensorboard").is_dir():
+            read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
+        results.append(RunResult.load(run.dir))
+    return results
+
+
+def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
+    """Every finished run under `study/runs`, re-read from its logs where they are there, and the variant order."""
+    order = json.loads((study / STUDY_FILE).read_text())["variants"] if (study / STUDY_FILE).is_file() else []
+    results = []
+    for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
+        result = RunResult.load(path.parent)
+        if (path.parent / "tensorboard").is_dir():
+            result = read_run(path.parent, result.variant, result.seed, result.definition)
+            result.save(path.parent)
+        results.append(result)
+    order += sorted({r.variant for r in results} - set(order))
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(results, key=lambda r: (r.seed, rank[r.variant])), order
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhar compare", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--strategies",
-        nargs="+",
-        default=list(STRATEGIES),
-        choices=list(STRATEGIES),
-        help="which to train (the first is the baseline)",
-    )
-    parser.add_argument("--preset", default="tiny", help="model size preset (default: tiny)")
-    parser.add_argument("--tokenizer", default="byte", help="tokenizer of the default standard-library corpus")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per strategy")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup 10%%, then cosine)")
-    parser.add_argument("--val-samples", type=int, default=256, help="validation windows")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--accelerator", default="auto", help="auto, cpu or gpu")
-    args = parser.parse_args(argv)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2")
+    args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    console = Console(width=max(100, Console().width))
-    results = []
-    for name in args.strategies:
-        console.print(f"training [bold]{name}[/bold] ...")
-        results.append(train_one(name, STRATEGIES[name], args))
-    console.print(table(results, args))
+    console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
+    unfinished = 0
+    try:
+        if args.report_only is not None and not args.variants:
+            results, order = collect_all(args.out)
+        else:
+            variants, runs = grid(args, overrides)
+            order = [v.name for v in variants]
+            if args.baseline:  # the baseline goes first, for a later `--report-only DIR`
+                order = [args.baseline, *(name for name in order if name != args.baseline)]
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / STUDY_FILE).write_text(json.dumps({"variants": order}) + "\n")
+            if args.report_only is None:
+                train(runs, args, console)
+            results = collect(runs, reread=args.report_only is not None)
+            unfinished = sum(not run.finished for run in runs)
+    except (ValueError, RuntimeError) as error:
+        console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
+        return 1
+    if not results:
+        console.print(f"no finished runs in {args.out}/runs yet")
+        return 1
+    baseline = args.baseline or next(name for name in order if any(r.variant == name for r in results))
+    summaries = report.summarize(results, baseline)
+    paths = plots.write_plots(args.out, results, summaries, baseline)
+    path = report.write(args.out, results, summaries, baseline, paths)
+    title = f"{len(results)} runs" + (f" ({unfinished} still to train)" if unfinished else "")
+    console.print(report.console_table(summaries, baseline, title))
+    console.print(f"report: {path}")
     return 0
 
 

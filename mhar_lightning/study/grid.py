@@ -1,0 +1,153 @@
+"""The study grid: variants (recipes or residual strategies) x seeds, each run a real `mhar fit` in its own folder."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mhar_lightning.residual import RESIDUALS
+
+RESULT_FILE = "result.json"
+ARGS_FILE = "args.json"
+LOG_FILE = "fit.log"
+SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One arm of a study: a recipe and, unless the recipe sets it, a residual strategy to put on it.
+
+    `residual` is what `--model.residual` takes: a registered name (`sum`) or a `{class_path, init_args}` mapping.
+    """
+
+    name: str
+    recipe: Path
+    residual: str | dict[str, Any] | None = None
+
+    def fit_args(self) -> list[str]:
+        args = ["--config", str(self.recipe)]
+        if self.residual is not None:
+            value = self.residual if isinstance(self.residual, str) else json.dumps(self.residual)
+            args += ["--model.residual", value]
+        return args
+
+    def describe(self) -> str:
+        """The variant's definition in one line: recipe, then the residual it sets."""
+        recipe = self.recipe.resolve()
+        recipe = recipe.relative_to(Path.cwd()) if recipe.is_relative_to(Path.cwd()) else recipe
+        if self.residual is None:
+            return str(recipe)
+        return f"{recipe} + residual {self.residual if isinstance(self.residual, str) else json.dumps(self.residual)}"
+
+
+def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, Any] | str]) -> Variant:
+    """`[NAME=]SPEC`: SPEC is a recipe (`.yaml`), a strategy of `strategies`, a registered residual name or a
+    class path, the last two optionally with arguments (`mhar_lightning.residual.MHAR:heads=2,blocks=8`)."""
+    name, eq, spec = text.partition("=")
+    if not eq or ":" in name or "/" in name:
+        name, spec = "", text
+    if spec.endswith((".yaml", ".yml")):
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"recipe {spec} does not exist: pass a recipe file, a strategy name or a class path")
+        return Variant(safe_name(name or path.stem), path)
+    if spec in strategies:
+        return Variant(safe_name(name or spec), recipe, strategies[spec])
+    target, colon, arg_text = spec.partition(":")
+    if "." not in target and target not in RESIDUALS:
+        known = ", ".join([*strategies, *(n for n in sorted(RESIDUALS) if n not in strategies)])
+        raise ValueError(f"unknown variant {spec!r}: use a recipe (.yaml), one of {known}, or a class path")
+    if not colon:
+        residual: str | dict[str, Any] = target if target in RESIDUALS else {"class_path": target}
+        return Variant(safe_name(name or spec), recipe, residual)
+    class_path = target if "." in target else f"{RESIDUALS[target].__module__}.{RESIDUALS[target].__qualname__}"
+    init_args = {}
+    for item in filter(None, arg_text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"variant {spec!r}: write arguments as key=value, e.g. {target}:heads=4,blocks=8")
+        init_args[key] = yaml.safe_load(value)
+    return Variant(safe_name(name or spec), recipe, {"class_path": class_path, "init_args": init_args})
+
+
+def safe_name(text: str) -> str:
+    """A folder name for a variant."""
+    return SAFE_NAME.sub("_", text).strip("_") or "variant"
+
+
+@dataclass
+class Run:
+    """One (variant, seed) cell of the grid, trained in `dir` (the run's `trainer.default_root_dir`)."""
+
+    variant: Variant
+    seed: int
+    dir: Path
+    overrides: Sequence[str] = ()
+    init_from: Path | None = None
+
+    @property
+    def finished(self) -> bool:
+        return (self.dir / RESULT_FILE).is_file()
+
+    def check_arguments(self) -> None:
+        """Record the run's definition on its first start; refuse to skip or resume a run started differently."""
+        path = self.dir / ARGS_FILE
+        current = {"variant": self.variant.describe(), "overrides": list(self.overrides), "seed": self.seed}
+        if not path.is_file():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(current, indent=1) + "\n")
+        elif (recorded := json.loads(path.read_text())) != current:
+            raise ValueError(
+                f"{self.dir} was started as {recorded}, not as {current}: pass another --out, or delete the folder"
+            )
+
+    @property
+    def last_checkpoint(self) -> Path:
+        return self.dir / "checkpoints" / "last.ckpt"
+
+    def base_args(self) -> list[str]:
+        """Config of this run shared by `mhar fit` and `mhar validate`: recipe, residual, overrides, seed, folder."""
+        args = [*self.variant.fit_args(), *self.overrides, "--seed_everything", str(self.seed)]
+        if self.init_from is not None:
+            args += ["--model.init_from", str(self.init_from)]
+        return args
+
+    def fit_args(self) -> list[str]:
+        args = ["fit", *self.base_args(), "--trainer.default_root_dir", str(self.dir)]
+        args += ["--trainer.enable_progress_bar", "false"]
+        if self.last_checkpoint.is_file():
+            args += ["--ckpt_path", "last"]
+        return args
+
+
+def run_dir(study: Path, variant: str, seed: int) -> Path:
+    return study / "runs" / variant / f"seed{seed}"
+
+
+def mhar(args: list[str], log: Path) -> None:
+    """`mhar ARGS` in a fresh Python process, its output appended to `log`; on failure raise with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a job's time limit) becomes SystemExit, on which subprocess.run kills the run instead of orphaning it
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        with log.open("a") as out:
+            out.write(f"$ mhar {' '.join(args)}\n")
+            out.flush()
+            cmd = [sys.executable, "-m", "mhar_lightning.cli", *args]
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"`mhar {args[0]}` failed (exit {done.returncode}); the end of {log}:\n{tail}")
+
+
+def terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

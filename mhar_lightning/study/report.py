@@ -1,0 +1,220 @@
+"""A study's report: per-variant means and seed spreads, paired gaps to the baseline, as Markdown, JSON and rich."""
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from mhar_lightning.study.results import RunResult, finite
+
+TRAIN_TAIL = 0.1
+"""The final training loss is the mean of the logged values in this last fraction of a run's steps."""
+
+
+def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def train_tail(run: RunResult) -> float | None:
+    """Mean training loss over the last `TRAIN_TAIL` of the run's steps (else the last logged one, if any)."""
+    start = run.steps * (1 - TRAIN_TAIL)
+    tail = [loss for step, loss in run.train_curve if step >= start] or [loss for _, loss in run.train_curve[-1:]]
+    return statistics.fmean(tail) if tail else None
+
+
+@dataclass
+class VariantSummary:
+    """One variant over its seeds; the gap to the baseline is paired by seed (same seed, same data order)."""
+
+    variant: str
+    definition: str
+    seeds: list[int]
+    params: int
+    routing_params: int
+    tokens: int
+    val_loss: float
+    val_loss_sd: float | None
+    gap: float | None
+    gap_sd: float | None
+    tokens_per_sec: float | None
+    speed_ratio: float | None
+    peak_memory_gib: float | None
+    memory_ratio: float | None
+    initial_val_loss: float | None
+    initial_gap: float | None
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if finite(value) and finite(base) and base else None
+
+
+def mean_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if finite(v)]
+    return statistics.fmean(present) if present else None
+
+
+def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
+    """Per-variant summaries in the order variants first appear in `runs`."""
+    by_variant: dict[str, list[RunResult]] = {}
+    for run in runs:
+        by_variant.setdefault(run.variant, []).append(run)
+    base = {run.seed: run for run in by_variant.get(baseline, [])}
+    base_speed = mean_of([r.tokens_per_sec for r in base.values()])
+    base_memory = mean_of([r.peak_memory_gib for r in base.values()])
+    summaries = []
+    for name, group in by_variant.items():
+        group = sorted(group, key=lambda r: r.seed)
+        val, val_sd = mean_sd([r.val_loss for r in group])
+        paired = [r.val_loss - base[r.seed].val_loss for r in group if r.seed in base]
+        gap, gap_sd = mean_sd(paired) if paired else (None, None)
+        initial = [
+            r.initial_val_loss - base[r.seed].initial_val_loss
+            for r in group
+            if r.seed in base and finite(r.initial_val_loss) and finite(base[r.seed].initial_val_loss)
+        ]
+        speed, memory = mean_of([r.tokens_per_sec for r in group]), mean_of([r.peak_memory_gib for r in group])
+        summaries.append(
+            VariantSummary(
+                variant=name,
+                definition=group[0].definition,
+                seeds=[r.seed for r in group],
+                params=group[0].params,
+                routing_params=group[0].routing_params,
+                tokens=group[0].tokens,
+                val_loss=val,
+                val_loss_sd=val_sd,
+                gap=gap,
+                gap_sd=gap_sd,
+                tokens_per_sec=speed,
+                speed_ratio=ratio(speed, base_speed),
+                peak_memory_gib=memory,
+                memory_ratio=ratio(memory, base_memory),
+                initial_val_loss=mean_of([r.initial_val_loss for r in group]),
+                initial_gap=max(initial, key=abs) if initial else None,
+            )
+        )
+    return summaries
+
+
+def pm(value: float | None, sd: float | None, digits: int = 4, sign: bool = False) -> str:
+    """`value ± sd` (just the value for one seed; `-` when missing)."""
+    if value is None:
+        return "-"
+    text = f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+    return text if sd is None else f"{text} ± {sd:.{digits}f}"
+
+
+def num(value: float | None, fmt: str) -> str:
+    return "-" if not finite(value) else format(value, fmt)
+
+
+def summary_rows(summaries: list[VariantSummary], baseline: str) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the summary table (shared by the Markdown report and the console table)."""
+    header = [
+        "variant", "seeds", "params", "routing params", "tokens", "val loss", f"vs {baseline}",
+        "tokens/s", "speed", "peak GiB", "memory",
+    ]  # fmt: skip
+    rows = [
+        [
+            s.variant,
+            str(len(s.seeds)),
+            f"{s.params:,}",
+            f"{s.routing_params:,}",
+            f"{s.tokens:,}",
+            pm(s.val_loss, s.val_loss_sd),
+            pm(s.gap, s.gap_sd, sign=True),
+            num(s.tokens_per_sec, ",.0f"),
+            num(s.speed_ratio, ".2f") + ("x" if finite(s.speed_ratio) else ""),
+            num(s.peak_memory_gib, ".2f"),
+            num(s.memory_ratio, ".2f") + ("x" if finite(s.memory_ratio) else ""),
+        ]
+        for s in summaries
+    ]
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """Markdown table lines; the first `text_columns` columns are left-aligned, the numbers right-aligned."""
+    align = ["---" if i < text_columns else "---:" for i in range(len(header))]
+    return [f"| {' | '.join(cells)} |" for cells in (header, align, *rows)]
+
+
+def console_table(summaries: list[VariantSummary], baseline: str, title: str) -> Table:
+    header, rows = summary_rows(summaries, baseline)
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: str, plots: list[Path]) -> str:
+    """The whole `report.md`: summary, variants, every run, continued runs' starting losses, plots."""
+    seeds = sorted({r.seed for r in runs})
+    lines = [
+        "# Study report",
+        "",
+        f"{len(runs)} finished runs of {len(summaries)} variants, seeds {', '.join(map(str, seeds))}. Baseline:"
+        f" `{baseline}`. Validation loss is the last logged `val/loss` of each run; `± ` is the sample standard"
+        f" deviation over seeds; the gap to `{baseline}` is paired by seed (same seed, same data order). Speed and"
+        " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a"
+        " run; memory: peak allocated).",
+        "",
+        "## Summary",
+        "",
+        *markdown_table(*summary_rows(summaries, baseline)),
+        "",
+        "## Variants",
+        "",
+        *markdown_table(["variant", "definition"], [[s.variant, f"`{s.definition}`"] for s in summaries], 2),
+        "",
+        "## Runs",
+        "",
+    ]
+    header = ["variant", "seed", "steps", "tokens", "val loss", "at step", "train loss (last 10%)", "tokens/s"]
+    cells = [
+        [
+            r.variant,
+            str(r.seed),
+            str(r.steps),
+            f"{r.tokens:,}",
+            f"{r.val_loss:.4f}",
+            str(r.val_step),
+            num(train_tail(r), ".4f"),
+            num(r.tokens_per_sec, ",.0f"),
+        ]
+        for r in runs
+    ]
+    lines += markdown_table(header, cells)
+    if any(s.initial_val_loss is not None for s in summaries):
+        lines += [
+            "",
+            "## Starting point of continued runs",
+            "",
+            f"Validation loss of each variant's starting weights (`mhar validate`), and the largest per-seed"
+            f" difference to `{baseline}`'s: a function-preserving conversion gives 0.",
+            "",
+        ]
+        rows = [
+            [s.variant, pm(s.initial_val_loss, None, 6), pm(s.initial_gap, None, 6, sign=True), pm(s.val_loss, None)]
+            for s in summaries
+        ]
+        lines += markdown_table(["variant", "start val loss", f"vs {baseline}", "final val loss"], rows)
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write(
+    study: Path, runs: list[RunResult], summaries: list[VariantSummary], baseline: str, plots: list[Path]
+) -> Path:
+    """Write `report.md` and `results.json` into `study`; return the report's path."""
+    data = {"baseline": baseline, "variants": [asdict(s) for s in summaries], "runs": [asdict(r) for r in runs]}
+    (study / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    path = study / "report.md"
+    path.write_text(markdown(runs, summaries, baseline, plots))
+    return path

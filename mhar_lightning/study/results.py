@@ -1,0 +1,162 @@
+"""What a finished run measured, read back from its own TensorBoard logs into a small `result.json`."""
+
+import inspect
+import json
+import math
+import shutil
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mhar_lightning.model import Decoder
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.probe import DepthMaps
+from mhar_lightning.residual import Residual
+from mhar_lightning.study.grid import RESULT_FILE
+
+VAL_LOSS, TRAIN_LOSS = "val/loss", "train/loss"
+DEVICE_TOKENS_PER_SEC, TOKENS_PER_SEC = "train/device/items_per_sec", "train/items_per_sec"
+PEAK_MEMORY = "memory/peak_allocated_gib"
+TAGS = (VAL_LOSS, TRAIN_LOSS, DEVICE_TOKENS_PER_SEC, TOKENS_PER_SEC, PEAK_MEMORY)
+DEPTH_MAPS = "depth_attention.npz"
+MODEL_ARGS = set(inspect.signature(LanguageModel).parameters) - {"init_from"}
+"""Hyperparameters that shape the model (the run's weights are not needed to count its parameters)."""
+
+
+@dataclass
+class RunResult:
+    """One run: final validation loss, loss curves (step, loss), speed, memory and size."""
+
+    variant: str
+    seed: int
+    definition: str
+    steps: int
+    tokens_per_step: int
+    params: int
+    routing_params: int
+    val_loss: float
+    val_step: int
+    val_curve: list[tuple[int, float]]
+    train_curve: list[tuple[int, float]]
+    tokens_per_sec: float | None
+    peak_memory_gib: float | None
+    initial_val_loss: float | None = None
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    def save(self, run_dir: Path) -> Path:
+        path = run_dir / RESULT_FILE
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunResult":
+        data = json.loads((run_dir / RESULT_FILE).read_text())
+        for curve in ("val_curve", "train_curve"):
+            data[curve] = [(int(s), float(v)) for s, v in data[curve]]
+        return cls(**data)
+
+
+def versions(root: Path) -> list[Path]:
+    """The TensorBoard run folders under `root`, oldest first (a resumed run adds one)."""
+    found = (root / "tensorboard").glob("version_*")
+    return sorted(found, key=lambda p: int(p.name.removeprefix("version_")))
+
+
+def read_scalars(root: Path) -> dict[str, dict[int, float]]:
+    """tag -> {optimizer steps done: value} of the study's tags over every version (a later one overrides).
+
+    Lightning logs a value at the count of steps done before the batch it belongs to, so a validation after
+    step 6 is logged at 5: here it is put back at 6, the step its checkpoint has and its tokens are counted at.
+    """
+    scalars: dict[str, dict[int, float]] = {tag: {} for tag in TAGS}
+    for version in versions(root):
+        events = EventAccumulator(str(version), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in set(TAGS) & set(events.Tags()["scalars"]):
+            scalars[tag].update({event.step + 1: event.value for event in events.Scalars(tag)})
+    return scalars
+
+
+def routing_params(decoder: torch.nn.Module) -> int:
+    """Parameters of the residual strategy's modules (the routing queries, norms, gates)."""
+    return sum(p.numel() for m in decoder.modules() if isinstance(m, Residual) for p in m.parameters())
+
+
+def model_size(hparams: dict[str, Any]) -> tuple[int, int]:
+    """(all parameters, routing parameters) of the model `hparams` (LanguageModel arguments) builds, on meta."""
+    model = LanguageModel(**{k: v for k, v in hparams.items() if k in MODEL_ARGS})
+    with torch.device("meta"):
+        decoder = Decoder(model.model_config, model.residual)
+    return sum(p.numel() for p in decoder.parameters()), routing_params(decoder)
+
+
+def tokens_per_step(config: dict[str, Any], world_size: int) -> int:
+    """Trained tokens per optimizer step of a run's saved `config.yaml`."""
+    accumulate = config["trainer"].get("accumulate_grad_batches") or 1
+    return config["data"]["batch_size"] * config["data"]["seq_len"] * accumulate * world_size
+
+
+def steady(values: dict[int, float]) -> float | None:
+    """Median of the second half of a run's logged values (the first half holds warm-up and compilation)."""
+    steps = sorted(values)[len(values) // 2 :]
+    return statistics.median(values[s] for s in steps) if steps else None
+
+
+def read_run(run_dir: Path, variant: str, seed: int, definition: str) -> RunResult:
+    """The result of the finished run in `run_dir`, from its logs; also copies its last depth-attention maps there."""
+    found = versions(run_dir)
+    if not found:
+        raise ValueError(f"{run_dir} has no TensorBoard logs: not a run of `mhar fit`")
+    scalars = read_scalars(run_dir)
+    if not scalars[VAL_LOSS]:
+        raise ValueError(f"{run_dir} logged no {VAL_LOSS}: set trainer.val_check_interval to divide trainer.max_steps")
+    latest = found[-1]
+    config = yaml.safe_load((latest / "config.yaml").read_text())
+    # hparams.yaml has the linked vocabulary, config.yaml the residual strategy
+    hparams = {**yaml.safe_load((latest / "hparams.yaml").read_text()), "residual": config["model"]["residual"]}
+    device_speed, speed = steady(scalars[DEVICE_TOKENS_PER_SEC]), steady(scalars[TOKENS_PER_SEC])
+    world_size = round(speed / device_speed) if speed and device_speed else 1
+    params, routing = model_size(hparams)
+    val_step = max(scalars[VAL_LOSS])
+    maps = sorted(latest.glob("depth_attention/step_*.npz"))
+    if maps:
+        shutil.copyfile(maps[-1], run_dir / DEPTH_MAPS)
+    heads = DepthMaps.load(run_dir / DEPTH_MAPS).heads if (run_dir / DEPTH_MAPS).is_file() else None
+    train = scalars[TRAIN_LOSS]
+    peak = scalars[PEAK_MEMORY]
+    return RunResult(
+        variant=variant,
+        seed=seed,
+        definition=definition,
+        steps=max([*train, val_step]),
+        tokens_per_step=tokens_per_step(config, world_size),
+        params=params,
+        routing_params=routing,
+        val_loss=scalars[VAL_LOSS][val_step],
+        val_step=val_step,
+        val_curve=sorted(scalars[VAL_LOSS].items()),
+        train_curve=sorted(train.items()),
+        tokens_per_sec=speed or device_speed,
+        peak_memory_gib=max(peak.values()) if peak else None,
+        initial_val_loss=initial_val_loss(run_dir),
+        hparams={"residual": hparams["residual"], "preset": hparams.get("preset"), "routing_heads": heads},
+    )
+
+
+def initial_val_loss(run_dir: Path) -> float | None:
+    """Validation loss of a continued run's starting weights (`mhar validate` into `<run>/initial`), if measured."""
+    values = read_scalars(run_dir / "initial")[VAL_LOSS] if (run_dir / "initial").is_dir() else {}
+    return next(iter(values.values())) if values else None
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)

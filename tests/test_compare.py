@@ -1,0 +1,158 @@
+"""`mhar compare` as a study runner: a 2 x 2 grid on the demo recipe, interrupted, resumed and re-reported."""
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import DEMO, scalars
+
+from mhar_lightning.cli import main as mhar
+from mhar_lightning.compare import STRATEGIES
+from mhar_lightning.compare import main as compare
+from mhar_lightning.convert import load_decoder
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.study.continuation import convert_checkpoint
+from mhar_lightning.study.grid import run_dir
+from mhar_lightning.study.results import routing_params
+
+FAST = [
+    "--trainer.max_steps", "6",
+    "--trainer.val_check_interval", "3",
+    "--trainer.limit_val_batches", "2",
+    "--trainer.log_every_n_steps", "1",
+    "--checkpoint.every_n_train_steps", "1",
+    "--model.optimizer.warmup_steps", "2",
+    "--data.batch_size", "4",
+    "--data.seq_len", "32",
+    "--data.val_samples", "8",
+    "--trainer.callbacks", json.dumps([
+        {"class_path": "mhar_lightning.callbacks.TokenThroughputMonitor", "init_args": {"window_size": 2}},
+        {"class_path": "mhar_lightning.callbacks.DepthAttentionLogger"},
+    ]),
+]  # fmt: skip
+GRID = ["sum", "mhar-block", "--seeds", "0", "1", "--recipe", str(DEMO)]
+STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", "--trainer.callbacks.step=3"]
+
+
+def final_step(run: Path) -> int:
+    return torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+
+
+def events(run: Path) -> dict[Path, float]:
+    """Event files of a run with their modification times (a rerun writes new ones)."""
+    return {path: path.stat().st_mtime for path in (run / "tensorboard").rglob("events.*")}
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The grid trained in two calls: one finished run and one interrupted run first, then the rest."""
+    out = tmp_path_factory.mktemp("study")
+    assert compare([*GRID, "--out", str(out), "--time-budget", "1", *FAST]) == 0  # no time for a second run
+    finished = run_dir(out, "sum", 0)
+    assert (finished / "result.json").is_file() and not run_dir(out, "mhar-block", 0).exists()
+    interrupted = run_dir(out, "mhar-block", 0)
+    residual = json.dumps({"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}})
+    mhar(["fit", "--config", str(DEMO), "--model.residual", residual, *FAST, "--seed_everything", "0",
+          "--trainer.default_root_dir", str(interrupted), *STOP])  # fmt: skip
+    before = events(finished)
+    assert compare([*GRID, "--out", str(out), *FAST]) == 0
+    assert events(finished) == before, "a finished run was trained again"
+    return out
+
+
+def test_report_equals_the_runs_logged_values(study: Path) -> None:
+    results = json.loads((study / "results.json").read_text())
+    assert [(r["variant"], r["seed"]) for r in results["runs"]] == [
+        ("sum", 0), ("mhar-block", 0), ("sum", 1), ("mhar-block", 1)
+    ]  # fmt: skip
+    logged = {}
+    for run in results["runs"]:
+        folder = run_dir(study, run["variant"], run["seed"])
+        val = scalars(folder, "val/loss")  # TensorBoard steps: optimizer steps done before the logging batch
+        assert sorted(val) == [2, 5] and run["val_step"] == run["steps"] == 6 == final_step(folder)
+        assert run["val_loss"] == pytest.approx(val[5], abs=1e-7)
+        assert run["tokens_per_step"] == 4 * 32
+        assert run["tokens_per_sec"] > 0 and run["peak_memory_gib"] is None  # no GPU memory on CPU
+        logged[run["variant"], run["seed"]] = val[5]
+    by_name = {v["variant"]: v for v in results["variants"]}
+    for name in ("sum", "mhar-block"):
+        losses = [logged[name, 0], logged[name, 1]]
+        assert by_name[name]["val_loss"] == pytest.approx(statistics.fmean(losses), abs=1e-7)
+        assert by_name[name]["val_loss_sd"] == pytest.approx(statistics.stdev(losses), abs=1e-7)
+    gaps = [logged["mhar-block", s] - logged["sum", s] for s in (0, 1)]
+    assert by_name["mhar-block"]["gap"] == pytest.approx(statistics.fmean(gaps), abs=1e-7)
+    assert by_name["sum"]["routing_params"] == 0 < by_name["mhar-block"]["routing_params"]
+    text = (study / "report.md").read_text()
+    assert f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}" in text
+    for value in logged.values():
+        assert f"| {value:.4f} |" in text
+    for png in ("loss.png", "depth_mhar-block.png"):
+        assert (study / png).stat().st_size > 5000
+    assert not (study / "depth_sum.png").exists()
+
+
+def test_interrupted_run_resumed_from_its_last_checkpoint(study: Path) -> None:
+    run = run_dir(study, "mhar-block", 0)
+    first, second = (scalars(run, "train/loss", version) for version in (0, 1))
+    assert max(first) == 2 and min(second) == 3 and max(second) == 5  # steps 1-3, then 4-6
+
+
+def test_rerun_and_report_only_rebuild_the_same_report(study: Path, tmp_path: Path) -> None:
+    report = (study / "report.md").read_text()
+    assert compare([*GRID, "--out", str(study), *FAST]) == 0  # everything finished: nothing trains
+    assert (study / "report.md").read_text() == report
+    copy = tmp_path / "copy"
+    shutil.copytree(study, copy)
+    (copy / "report.md").unlink()
+    (copy / "results.json").unlink()
+    assert compare(["--report-only", str(copy)]) == 0  # the runs found in the folder, re-read from their logs
+    assert (copy / "report.md").read_text() == report
+    for logs in copy.glob("runs/*/*/tensorboard"):  # the committed result files alone are enough
+        shutil.rmtree(logs)
+    assert compare([*GRID, "--out", str(copy), "--report-only", *FAST]) == 0
+    assert (copy / "report.md").read_text() == report
+
+
+def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> None:
+    assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
+    assert "was started as" in capsys.readouterr().out
+    assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["mhra"], "unknown variant 'mhra': use a recipe"),
+        (["sum", "--only", "mhar"], "no variant named 'mhar'; the variants are sum"),
+        (["sum", "sum"], "variant names repeat"),
+        (["mhar:heads"], "write arguments as key=value"),
+    ],
+)
+def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: Path, capsys) -> None:
+    assert compare([*args, "--out", str(tmp_path)]) == 1
+    assert message in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["sum", "delta-mhar"])
+def test_converted_checkpoint_computes_what_the_run_computed(study: Path, tmp_path: Path, target: str) -> None:
+    ckpt = run_dir(study, "sum", 0) / "checkpoints" / "last.ckpt"
+    trained = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    converted = load_decoder(convert_checkpoint(ckpt, tmp_path / target, STRATEGIES[target])).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(converted(tokens), trained(tokens))
+    assert (routing_params(converted) > 0) == (target == "delta-mhar")
+
+
+def test_continued_runs_start_from_the_converted_source(study: Path, tmp_path: Path) -> None:
+    out = tmp_path / "continued"
+    source = run_dir(study, "sum", 0)
+    args = ["delta-mhar", "--recipe", str(DEMO), "--continue-from", str(source.parent), "--out", str(out), *FAST]
+    assert compare([*args, "--trainer.max_steps", "3"]) == 0
+    result = json.loads((run_dir(out, "delta-mhar", 0) / "result.json").read_text())
+    assert result["initial_val_loss"] == pytest.approx(scalars(source, "val/loss")[5], abs=1e-6)
+    assert result["steps"] == 3 and result["routing_params"] > 0
+    assert "## Starting point of continued runs" in (out / "report.md").read_text()
