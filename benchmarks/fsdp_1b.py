@@ -5,7 +5,7 @@
 
 The model, residual (MHAR, H = 8, 8 blocks), optimizer and strategy are those of recipes/fsdp/pretrain-1b.yaml;
 the data are synthetic token sequences (arithmetic progressions modulo the vocabulary, so the loss falls) served
-by a `StatefulDataLoader`, because no tokenized corpus exists on the benchmark machine. Each phase appends one
+by a `StatefulDataLoader`, so the benchmark needs no prepared corpus. Each phase appends one
 JSON line per step (rank 0's loss, seconds) to OUT/<phase>.jsonl and rank 0 a summary to OUT/<phase>-summary.json.
 """
 

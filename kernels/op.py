@@ -5,7 +5,7 @@ The ops have fake (shape-only) implementations, so `torch.compile(fullgraph=True
 Function without graph breaks, and checkpoint recomputation simply calls them again (no state is kept across
 calls). Their autograd key falls through in C++: a `custom_op` would run its autograd and aliasing-check
 layers in Python on every call, also inside compiled graphs, which costs more host time than the kernel
-launches themselves (benchmarks/NOTES.md, v8). Call the ops through `depth_route_lse`: called directly they
+launches themselves (docs/kernels.md). Call the ops through `depth_route_lse`: called directly they
 record no gradient.
 The autograd context saves only the sources (references), the per-head log-sum-exp and each source row's inverse
 RMS ([rows, S] fp32, so the backward need not reduce every row again): the backward recomputes everything else

@@ -2,7 +2,7 @@
 
 `reference.merge_source` adds one source to a route through its log-sum-exp; the sublayer then applies its
 RMSNorm. The forward stays plain ops, which a compiled block fuses with its neighbours at no extra host cost (a
-kernel of its own cost more host time than it saved in a 350m step, benchmarks/NOTES.md v15); it also returns a
+kernel of its own cost more host time than it saved in a 350m step, docs/kernels.md); it also returns a
 few statistics per row. From them the backward kernel reads the upstream gradient, the mix and the source once
 and writes their gradients, where the compiled backward took several kernels and about twice as long.
 Rows are [heads, head size] register tiles, as in `triton_route`, so per-head values broadcast without gathers.
@@ -109,8 +109,8 @@ def merge_norm_forward(
     (r_s, r_x, a per head, z per head) for each row: [rows, 2 + 2 heads] fp32."""
     d = mix.shape[-1]
     s32 = source.float().unflatten(-1, (heads, d // heads))
-    # summed per head first, as z is: the compiler then computes both in one pass over the source (benchmarks/NOTES.md,
-    # v27-v28: the forward's kernels took 55 against 81 us a transformer block at 350m)
+    # summed per head first, as z is: the compiler then computes both in one pass over the source (the forward's
+    # kernels took 55 against 81 us a transformer block at 350m on an H200)
     r_s = torch.rsqrt(s32.square().sum(-1).sum(-1, keepdim=True) / d + eps)
     z = (s32 * u.view(heads, -1)).sum(-1) * r_s
     a = torch.sigmoid(z - lse)

@@ -86,7 +86,7 @@ def _store(table, n, row, D, cols, mask, x, ALIGN: tl.constexpr):
 def _row_tile(u_ptr, H, DH, D, BH: tl.constexpr, BDH: tl.constexpr, Q: tl.constexpr):
     """The [heads, head size] tile of one row (head index, mask, column offsets) and the folded queries u0, u1
     (u1 is u0 when Q = 1). Two queries are two tiles in the row's layout: a [queries, heads, head size]
-    tile measured 1.5-9x slower per kernel on the H200 (benchmarks/NOTES.md, v7)."""
+    tile lays the query axis across warps and measured up to 8x slower per kernel on an H200."""
     h = tl.arange(0, BH)
     j = tl.arange(0, BDH)
     mask = (h < H)[:, None] & (j < DH)[None, :]
@@ -357,9 +357,9 @@ ROW_ELEMS_PER_THREAD = 16  # row-tile elements per thread (sets the warps): 16 i
 MIN_WARPS = {"forward": 4, "stats": 1, "apply": 4}  # per kernel: 2 warps at d = 1024 speed up only the statistics
 ONE_WARP_TILE = {"forward": 1024, "stats": 0, "apply": 0}  # per kernel: a row tile up to this size runs in one warp
 # (no barriers between warps): the forward at d = 1024 runs 9-15 % faster so, while at d = 2048 two warps are slower
-# than four (benchmarks/RESULTS.md, v18); the statistics and gradient kernels are slower in one warp (the latter spills)
+# than four; the statistics and gradient kernels are slower in one warp (the latter spills)
 LAZY_RESCALE_WARPS = 1  # the forward rescales lazily (`_mix_step`) at up to this many warps, where the decision
-# needs no barrier: 2-7 % faster in one warp (benchmarks/RESULTS.md, v19); at four warps it adds 6 barriers a source
+# needs no barrier: 2-7 % faster in one warp; at four warps it adds 6 barriers a source
 STATS_SOURCES = 8  # sources per step of the statistics kernel's second loop (a [sources, heads] tile)
 APPLY_ROWS = 32  # rows per gradient program; sets the shape of du's partial sums, so change it before compiling
 
@@ -513,8 +513,7 @@ def _gradient_offsets(grad_out: Sequence[Tensor], d: int) -> tuple[Tensor, Tenso
     """Query 0's and the last query's gradients (contiguous, in query 0's dtype; keep both alive until launch) and
     where the last starts relative to the first, in rows of d and elements: the kernels read it at
     gout + (G1R + row) * D + G1E. That address, rather than a second pointer, keeps the gradient kernel's loop
-    scheduled as when both gradients shared one buffer: about 20 % faster at d = 1024 on an H200 (benchmarks/NOTES.md,
-    v24)."""
+    scheduled as when both gradients shared one buffer: about 20 % faster at d = 1024 on an H200."""
     first = grad_out[0].contiguous()
     last = grad_out[-1].to(first.dtype).contiguous()
     g1r, g1e = divmod((last.data_ptr() - first.data_ptr()) // first.element_size(), d)
