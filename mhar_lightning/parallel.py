@@ -80,7 +80,7 @@ def apply_activation_checkpointing(decoder: Decoder, mode: ActivationCheckpointi
 
 INDUCTOR_OPTIONS: dict[str, Any] = {"combo_kernels": True}
 """Inductor options of every graph the kit compiles. Combo kernels launch independent small kernels as one: in a
-350m block-MHAR step on the H200 they cut the host time from 89 to 60 ms (benchmarks/RESULTS.md, v14)."""
+350m block-MHAR step on an H200 they cut the host time from 89 to 60 ms."""
 
 
 def inductor_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:

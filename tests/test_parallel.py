@@ -217,7 +217,7 @@ def _gradient_errors(got: Path, want: Path) -> dict[str, float]:
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
 @pytest.mark.skipif(
-    torch_release() < DDP_GPU_COMPILED_AUTOGRAD_SINCE, reason="refused at setup: torch 2.11 crashed here (v20)"
+    torch_release() < DDP_GPU_COMPILED_AUTOGRAD_SINCE, reason="refused at setup: torch 2.11 crashed here"
 )
 def test_compiled_autograd_under_ddp_on_gpus_matches_eager(workdir: Path) -> None:
     """On two GPUs (NCCL), DDP with each backward captured by compiled autograd and compiled by Inductor gives block

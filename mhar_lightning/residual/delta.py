@@ -19,8 +19,7 @@ class DeltaMHAR(DepthRouter):
     Both sublayers of a transformer block read the same sources, so `enter` routes them in one pass (each
     source is read once and its gradient written once per transformer block) and keeps the two mixes in the
     stream until the block's last write, as the route's two outputs: each read's gradient reaches the route's
-    backward as it is (a stacked [2, ..., d] mix cost a kernel a block that built its gradient: benchmarks/NOTES.md,
-    v23-v24).
+    backward as it is (a stacked [2, ..., d] mix cost an extra kernel a block to build its gradient).
     Stream layout: (p, p at the start of the current block, null, embedding, delta_1, ...); inside a
     transformer block the attention's and the MLP's mixes follow the block start.
     """
