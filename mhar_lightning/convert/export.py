@@ -1,4 +1,4 @@
-"""Export `sum` models to a Hugging Face `LlamaForCausalLM` directory (config.json + safetensors)."""
+"""Export models to Hugging Face directories: `sum` as `LlamaForCausalLM`, routed strategies with their own code."""
 
 import json
 from pathlib import Path
@@ -6,20 +6,19 @@ from pathlib import Path
 import torch
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.checkpoint import converted_state_dict, read_converted_config
-from mhar_lightning.convert.hf_llama import hf_names, model_config_to_hf_config
+from mhar_lightning.convert.checkpoint import converted_state_dict, read_converted_config, residual_spec
+from mhar_lightning.convert.hf_llama import TOKEN_KEYS, hf_names, model_config_to_hf_config
+from mhar_lightning.convert.hf_routed import export_routed
+from mhar_lightning.convert.hf_tokenizer import save_hf_tokenizer, token_ids
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
-    ConversionError,
     TensorEntry,
     fresh_dir,
     parse_size,
     write_sharded,
 )
 from mhar_lightning.model import Decoder
-from mhar_lightning.residual import Residual, SumResidual
-
-ROUTED_MESSAGE = "only `sum` models export: {} routing has no Hugging Face Llama equivalent"
+from mhar_lightning.tokenizer import Tokenizer
 
 
 def export_hf(
@@ -28,30 +27,37 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write `LlamaForCausalLM`-loadable `config.json` + safetensors for a `sum` `Decoder` or converted checkpoint.
+    """Write a Hugging Face directory for a `Decoder` or converted checkpoint: `LlamaForCausalLM` for `sum`, the
+    kit's own `MharForCausalLM` (loaded with `trust_remote_code=True`, see `hf_routed`) for routed strategies; with
+    `tokenizer`, its files too (see `hf_tokenizer`).
 
     A converted checkpoint streams (one output shard resident) and keeps its source's token ids; an
     in-memory `Decoder` must hold full (not FSDP-sharded) parameters. `dtype` defaults to the weights'.
     """
     if isinstance(model_or_dir, Decoder):
-        routed = [type(m).__name__ for m in model_or_dir.modules() if isinstance(m, Residual)]
-        if any(name != SumResidual.__name__ for name in routed):
-            raise ConversionError(ROUTED_MESSAGE.format(routed[-1]))
-        config, tokens = model_or_dir.config, {}
+        config, tokens, spec = model_or_dir.config, {}, residual_spec(model_or_dir.final_residual)
         tensors = dict(model_or_dir.named_parameters())
     else:
         meta = read_converted_config(model_or_dir)
-        if meta["residual"]["name"] != "sum":
-            raise ConversionError(ROUTED_MESSAGE.format(repr(meta["residual"]["name"])))
-        config, tokens = ModelConfig(**meta["model"]), meta.get("source", {}).get("hf_config", {})
+        config, spec = ModelConfig(**meta["model"]), meta["residual"]
+        tokens = meta.get("source", {}).get("hf_config", {})
         tensors = converted_state_dict(model_or_dir)
-    entries = [
-        TensorEntry(hf, tuple(tensors[ours].shape), dtype or tensors[ours].dtype, tensors[ours].detach)
-        for ours, hf in hf_names(config).items()
-    ]
+    tokens = {key: tokens[key] for key in TOKEN_KEYS if key in tokens}
+    if tokenizer is not None:
+        tokens = {**tokens, **token_ids(tokenizer)}
     out = fresh_dir(out_dir)
-    write_sharded(out, entries, parse_size(max_shard_size))
-    hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if spec["name"] != "sum":
+        export_routed(config, spec, tensors, out, dtype, max_shard_size, tokens)
+    else:
+        entries = [
+            TensorEntry(hf, tuple(tensors[ours].shape), dtype or tensors[ours].dtype, tensors[ours].detach)
+            for ours, hf in hf_names(config).items()
+        ]
+        write_sharded(out, entries, parse_size(max_shard_size))
+        hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out)
     return out
