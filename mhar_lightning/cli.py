@@ -48,6 +48,11 @@ TOOLS: dict[str, tuple[str, str, str]] = {
         "main",
         "Loss, perplexity and bits per byte of a checkpoint over a prepared split.",
     ),
+    "lm-eval": (
+        "mhar_lightning.eval.harness",
+        "main",
+        "Run lm-evaluation-harness tasks on a checkpoint (extra: mhar-lightning[eval]).",
+    ),
 }
 """Subcommands that are not Trainer methods: name -> (module, function taking argv, help)."""
 

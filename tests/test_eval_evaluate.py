@@ -21,15 +21,14 @@ def run(tmp_path_factory):
 
 
 def reference_loss(model, tokens: list[int], bos: int, window: int) -> float:
-    """Summed next-token loss of `tokens`, each read after the tokens before it in windows of `window` (fp64)."""
-    model = model.double()
-    total, previous = 0.0, bos
+    """Summed next-token loss of `tokens` (fp64), predicted `window` at a time from `bos` and the tokens before them,
+    the last partial window reading as many earlier tokens as fit."""
+    model, stream, total = model.double(), [bos, *tokens], 0.0
     for start in range(0, len(tokens), window):
-        chunk = tokens[start : start + window]
-        inputs = torch.tensor([[previous, *chunk[:-1]]])
-        logprobs = torch.log_softmax(model(inputs)[0].double(), -1)
-        total -= sum(float(logprobs[i, t]) for i, t in enumerate(chunk))
-        previous = chunk[-1]
+        stop = min(start + window, len(tokens))
+        begin = max(0, stop - window)
+        logprobs = torch.log_softmax(model(torch.tensor([stream[begin:stop]]))[0], -1)
+        total -= sum(float(logprobs[i - begin, tokens[i]]) for i in range(start, stop))
     return total
 
 

@@ -2,7 +2,8 @@
 
 Every token of the split is predicted once, from the tokens before it in consecutive windows of the model's length:
 the first window starts from an end-of-text token (a split begins a document), each later one from the last token of
-the window before (lm-evaluation-harness's rolling log-likelihood, so the two agree on the same text).
+the window before, and a last partial window reads as many earlier tokens as fit (lm-evaluation-harness's rolling
+log-likelihood, so the two agree on the same text).
 Bits per byte divide the summed loss of tokens that stand for text by the UTF-8 bytes they stand for (end-of-text
 and other special tokens stand for none), so models with different tokenizers compare.
 """
@@ -76,16 +77,23 @@ def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> Tensor:
 
 
 def windows(targets: np.ndarray, first: int, length: int, batch: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """(inputs, targets) batches of up to `batch` windows [B, length] covering `targets` in order, the inputs shifted
-    by one with `first` in front; a last partial window comes alone."""
-    for i in range(0, len(targets), length * batch):
-        labels = torch.from_numpy(targets[i : i + length * batch].astype(np.int64))
-        inputs = torch.cat([torch.tensor([int(targets[i - 1]) if i else first]), labels[:-1]])
-        whole = len(labels) // length * length
-        if whole:
-            yield inputs[:whole].view(-1, length), labels[:whole].view(-1, length)
-        if whole < len(labels):
-            yield inputs[whole:][None], labels[whole:][None]
+    """(inputs [B, length], targets [B, n]) batches covering `targets` in order: the inputs are the targets shifted by
+    one with `first` in front, and the targets those of the last n input positions. A last partial window comes alone,
+    with up to `length` inputs (as much context as fits, like lm-eval's rolling windows)."""
+
+    def shifted(start: int, stop: int) -> Tensor:
+        ids = targets[max(start - 1, 0) : stop - 1].astype(np.int64)
+        return torch.from_numpy(np.concatenate([[first], ids]) if start == 0 else ids)
+
+    whole = len(targets) // length * length
+    for i in range(0, whole, length * batch):
+        stop = min(i + length * batch, whole)
+        yield shifted(i, stop).view(-1, length), torch.from_numpy(targets[i:stop].astype(np.int64)).view(-1, length)
+    if whole < len(targets):
+        yield (
+            shifted(max(len(targets) - length, 0), len(targets))[None],
+            torch.from_numpy(targets[whole:].astype(np.int64))[None],
+        )
 
 
 @torch.inference_mode()
@@ -112,7 +120,7 @@ def evaluate_tokens(
         task = bar.add_task("", total=len(targets))
         for inputs, labels in windows(targets, bos, seq_len, batch_size):
             inputs, labels = inputs.to(device), labels.to(device)
-            logits = model(inputs).float()
+            logits = model(inputs)[:, -labels.shape[1] :].float()
             losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").double()
             text = lengths[labels.flatten()]
             loss_sum = loss_sum + losses.sum()
