@@ -60,3 +60,18 @@ def test_stream_text_holds_back_partial_utf8():
     ids = list("é!".encode())
     pieces = list(stream_text(iter(ids), ByteTokenizer().decode))
     assert pieces == ["é", "!"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (Triton routing kernels)")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cached_decoding_on_gpu(strategy):
+    model = random_decoder(strategy).cuda()
+    tokens = torch.randint(0, 256, (2, 20), device="cuda")
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-1)):
+        model = model.to(dtype)
+        cache = KVCache(model.config, 2, 20, "cuda", dtype)
+        cached = torch.cat([model(tokens[:, :7], cache), model(tokens[:, 7:8], cache), model(tokens[:, 8:], cache)], 1)
+        torch.testing.assert_close(cached.float(), model(tokens).float(), rtol=tolerance, atol=tolerance)
+    model = model.float()
+    prompt = [5, 17, 200, 3, 99]
+    assert list(generate(model, prompt, 12)) == list(generate(model, prompt, 12, use_cache=False))
