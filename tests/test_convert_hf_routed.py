@@ -63,7 +63,7 @@ def test_tokenizer_travels_with_the_export(name, tmp_path):
     from mhar_lightning.model import Decoder
 
     out = export_hf(Decoder(config, "mhar"), tmp_path / name, tokenizer=ours)
-    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     assert theirs(text)["input_ids"] == ours.encode(text)
     assert theirs.decode(ours.encode(text)) == text
     assert theirs.eos_token_id == ours.eot_id == json.loads((out / "config.json").read_text())["eos_token_id"]
@@ -79,7 +79,10 @@ def test_cli_exports_a_trained_checkpoint(tmp_path):
     tokens = TOKENS[:, :16]
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
-    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("ab")["input_ids"] == [97, 98]
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)("ab")["input_ids"] == [
+        97,
+        98,
+    ]
 
 
 def test_unexportable_strategies_and_shapes_are_refused():

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"mhar evaluate: error: {error}", file=sys.stderr)
         return 1
-    Console().print(results_table(scores, f"{args.checkpoint} on {args.data} ({args.split})"))
+    Console().print(results_table(scores, f"{args.data.name}, split {args.split}"))
     record = {"checkpoint": str(args.checkpoint), "data": str(args.data), "split": args.split, **scores.to_dict()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

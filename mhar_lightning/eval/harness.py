@@ -149,8 +149,8 @@ def results_table(results: dict) -> Table:
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for task, metrics in results["results"].items():
         for key, value in metrics.items():
-            metric, _, _ = key.partition(",")
-            if metric == "alias" or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            metric, is_metric, _ = key.partition(",")  # "acc,none": a metric and its filter
+            if not is_metric or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(key.replace(metric, f"{metric}_stderr", 1))
             stderr_text = f"{stderr:.4f}" if isinstance(stderr, (int, float)) else ""
