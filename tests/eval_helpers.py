@@ -6,6 +6,7 @@ import torch
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
+from mhar_lightning.residual import make_residual
 
 STRATEGIES = {
     "sum": ("sum", {}),
@@ -19,8 +20,6 @@ CONFIG = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_hea
 
 def random_decoder(strategy: str, seed: int = 0, config: ModelConfig = CONFIG) -> Decoder:
     """A `Decoder` of `strategy` whose parameters, routing queries, gains, gates and null included, are all random."""
-    from mhar_lightning.residual import make_residual
-
     name, args = STRATEGIES[strategy]
     torch.manual_seed(seed)
     model = Decoder(config, make_residual(name, **args))
