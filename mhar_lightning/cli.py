@@ -43,9 +43,20 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "export-hf": (
         "mhar_lightning.convert",
         "export_main",
-        "Export a converted `sum` checkpoint to a Hugging Face Llama directory.",
+        "Export a checkpoint of any strategy to a Hugging Face directory.",
     ),
     "consolidate": ("mhar_lightning.consolidate", "main", "Merge a sharded (FSDP) checkpoint into one file."),
+    "generate": ("mhar_lightning.eval.generate", "main", "Continue a prompt with a checkpoint, streamed (KV cache)."),
+    "evaluate": (
+        "mhar_lightning.eval.evaluate",
+        "main",
+        "Loss, perplexity and bits per byte of a checkpoint over a prepared split.",
+    ),
+    "lm-eval": (
+        "mhar_lightning.eval.harness",
+        "main",
+        "Run lm-evaluation-harness tasks on a checkpoint (extra: mhar-lightning[eval]).",
+    ),
 }
 """Subcommands that are not Trainer methods: name -> (module, function taking argv, help)."""
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
+from mhar_lightning.kv_cache import KVCache
 from mhar_lightning.norm import RMSNorm
 from mhar_lightning.residual import Residual, Stream, make_residual
 
@@ -54,13 +55,20 @@ class Attention(nn.Module):
         self.v = nn.Linear(config.d_model, kv_dim, bias=bias)
         self.o = nn.Linear(q_dim, config.d_model, bias=bias)
 
-    def forward(self, x: Tensor, rope: Rope) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        """Attend from `x`'s positions to themselves and, with a `cache`, to every earlier position (`layer`'s)."""
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        mask = None
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
+            if cache.length:  # query i sits at position length + i: a causal mask offset by the cached positions
+                mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(cache.length)
+        gqa = self.n_kv_heads != self.n_heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -92,10 +100,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.residual = residual.spawn(config, range(2 * index, 2 * index + 2))
 
-    def forward(self, stream: Stream, rope: Rope) -> Stream:
+    def forward(self, stream: Stream, rope: Rope, cache: KVCache | None = None) -> Stream:
         l = 2 * self.index
         stream = self.residual.enter(stream, l)
-        y = self.attn(self.residual.read_normed(stream, l, self.attn_norm), rope)
+        y = self.attn(self.residual.read_normed(stream, l, self.attn_norm), rope, cache, self.index)
         stream = self.residual.write(stream, l, y)
         y = self.mlp(self.residual.read_normed(stream, l + 1, self.mlp_norm))
         return self.residual.write(stream, l + 1, y)
@@ -133,17 +141,21 @@ class Decoder(nn.Module):
             nn.init.normal_(block.attn.o.weight, std=out_std)
             nn.init.normal_(block.mlp.down.weight, std=out_std)
 
-    def hidden(self, tokens: Tensor) -> Tensor:
-        """Final-normed hidden states [B, T, d] for `tokens` [B, T]."""
+    def hidden(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Final-normed hidden states [B, T, d] for `tokens` [B, T], which follow the `cache`'s positions if given."""
         b, t = tokens.shape
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
-        rope = rope_cache(self.config, t, tokens.device)
+        past = 0 if cache is None else cache.length
+        if past + t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {past + t} exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = rope_cache(self.config, past + t, tokens.device)
+        rope = (cos[past:], sin[past:])
         stream = self.final_residual.start(self.embed(tokens))
         for block in self.blocks:
-            stream = block(stream, rope)
+            stream = block(stream, rope) if cache is None else block(stream, rope, cache)
+        if cache is not None:
+            cache.advance(t)
         return self.norm(self.final_residual.finish(stream))
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, vocab] for `tokens` [B, T]."""
-        return self.head(self.hidden(tokens))
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits [B, T, vocab] for `tokens` [B, T] (the positions after the `cache`'s, with one)."""
+        return self.head(self.hidden(tokens, cache))

@@ -5,7 +5,7 @@ import logging
 import sys
 from pathlib import Path
 
-from mhar_lightning.convert.checkpoint import save_converted
+from mhar_lightning.convert.checkpoint import CONFIG_FILE, save_converted
 from mhar_lightning.convert.export import export_hf, export_training_checkpoint
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
 from mhar_lightning.dtypes import DTYPES
@@ -56,17 +56,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """`mhar export-hf SRC OUT`: a converted `sum` checkpoint, or a `sum` run's checkpoint file, to a Hugging Face
-    Llama directory."""
+    """`mhar export-hf SRC OUT`: a checkpoint of any strategy to a Hugging Face directory, with its tokenizer."""
     parser = argparse.ArgumentParser(
         prog="mhar export-hf",
-        description="Export a converted `sum` checkpoint (mhar_config.json + safetensors), or a checkpoint file that "
-        "`mhar fit` wrote for a `sum` model, to a directory that transformers' LlamaForCausalLM.from_pretrained loads.",
+        description="Export a checkpoint (.ckpt, consolidated, or converted directory) to a Hugging Face directory: "
+        "`sum` models as LlamaForCausalLM, routed ones with their own modeling code (trust_remote_code=True).",
     )
-    parser.add_argument("src", help="converted checkpoint directory (mhar_config.json) or a run's .ckpt file")
+    parser.add_argument("src", help=".ckpt file, consolidated checkpoint or converted directory (mhar_config.json)")
     parser.add_argument("out", help="new (or empty) output directory")
+    parser.add_argument("--tokenizer", help="tokenizer to ship (default: the one a .ckpt was trained with)")
     add_output_options(parser)
     args = parser.parse_args(argv)
     dtype = DTYPES.get(args.dtype)
-    export = export_training_checkpoint if Path(args.src).is_file() else export_hf
-    return run(parser.prog, lambda: export(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size))
+
+    def export() -> None:
+        from mhar_lightning.eval.loading import load_model  # imports the training module, which imports this package
+        from mhar_lightning.tokenizer import load_tokenizer
+
+        if Path(args.src).is_dir() and (Path(args.src) / CONFIG_FILE).is_file():
+            tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+            export_hf(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size, tokenizer=tokenizer)
+            return
+        loaded = load_model(args.src, args.tokenizer, device="cpu", dtype="float32")
+        export_training_checkpoint(
+            loaded.model,
+            loaded.init_from,
+            args.out,
+            tokenizer=loaded.tokenizer,
+            dtype=dtype,
+            max_shard_size=args.max_shard_size,
+        )
+
+    return run(parser.prog, export)

@@ -1,4 +1,4 @@
-"""Export `sum` models to a Hugging Face `LlamaForCausalLM` directory (config.json + safetensors)."""
+"""Export models to Hugging Face directories: `sum` as `LlamaForCausalLM`, routed strategies with their own code."""
 
 import json
 from pathlib import Path
@@ -13,18 +13,18 @@ from mhar_lightning.convert.checkpoint import (
     read_converted_config,
 )
 from mhar_lightning.convert.hf_llama import TOKEN_KEYS, copy_tokenizer_files, hf_names, model_config_to_hf_config
+from mhar_lightning.convert.hf_routed import export_routed
+from mhar_lightning.convert.hf_tokenizer import save_hf_tokenizer, token_ids
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
-    ConversionError,
     TensorEntry,
     fresh_dir,
     parse_size,
     write_sharded,
 )
 from mhar_lightning.model import Decoder
-from mhar_lightning.residual import Residual, SumResidual, make_residual
-
-ROUTED_MESSAGE = "only `sum` models export: {} routing has no Hugging Face Llama equivalent"
+from mhar_lightning.residual import SumResidual, residual_name
+from mhar_lightning.tokenizer import Tokenizer
 
 
 def export_hf(
@@ -33,63 +33,63 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write `LlamaForCausalLM`-loadable `config.json` + safetensors for a `sum` `Decoder` or converted checkpoint.
+    """Write a Hugging Face directory for a `Decoder` or converted checkpoint: `LlamaForCausalLM` for `sum`, the
+    kit's own `MharForCausalLM` (loaded with `trust_remote_code=True`, see `hf_routed`) for routed strategies.
 
-    A converted checkpoint streams (one output shard resident) and keeps its source's token ids and tokenizer files; an
-    in-memory `Decoder` must hold full (not FSDP-sharded) parameters. `dtype` defaults to the weights'.
+    A converted checkpoint streams (one output shard resident) and keeps its source's token ids and tokenizer files;
+    `tokenizer` adds its own files where there are none (see `hf_tokenizer`). An in-memory `Decoder` must hold full
+    (not FSDP-sharded) parameters. `dtype` defaults to the weights'.
     """
     if isinstance(model_or_dir, Decoder):
-        routed = [type(m).__name__ for m in model_or_dir.modules() if isinstance(m, Residual)]
-        if any(name != SumResidual.__name__ for name in routed):
-            raise ConversionError(ROUTED_MESSAGE.format(routed[-1]))
-        config, tokens = model_or_dir.config, {}
+        config, tokens, template = model_or_dir.config, {}, model_or_dir.final_residual
         tensors = dict(model_or_dir.named_parameters())
     else:
         meta = read_converted_config(model_or_dir)
-        residual = converted_residual(meta)
-        if not isinstance(residual, SumResidual):
-            raise ConversionError(ROUTED_MESSAGE.format(type(residual).__name__))
-        config, tokens = ModelConfig(**meta["model"]), meta.get("source", {}).get("hf_config", {})
+        config, template = ModelConfig(**meta["model"]), converted_residual(meta)
+        tokens = meta.get("source", {}).get("hf_config", {})
         tensors = converted_state_dict(model_or_dir)
-    entries = [
-        TensorEntry(hf, tuple(tensors[ours].shape), dtype or tensors[ours].dtype, tensors[ours].detach)
-        for ours, hf in hf_names(config).items()
-    ]
+    tokens = {key: tokens[key] for key in TOKEN_KEYS if key in tokens}
+    if tokenizer is not None:
+        tokens = {**token_ids(tokenizer), **tokens}
     out = fresh_dir(out_dir)
-    write_sharded(out, entries, parse_size(max_shard_size))
-    hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if isinstance(template, SumResidual):
+        entries = [
+            TensorEntry(hf, tuple(tensors[ours].shape), dtype or tensors[ours].dtype, tensors[ours].detach)
+            for ours, hf in hf_names(config).items()
+        ]
+        write_sharded(out, entries, parse_size(max_shard_size))
+        hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    else:
+        spec = {"name": residual_name(template), "args": template.spec()["init_args"]}
+        export_routed(config, spec, tensors, out, dtype, max_shard_size, tokens)
     if not isinstance(model_or_dir, Decoder):
         copy_tokenizer_files(model_or_dir, out)
+    if tokenizer is not None and not (out / "tokenizer.json").exists():
+        save_hf_tokenizer(tokenizer, out)
     return out
 
 
 def export_training_checkpoint(
-    ckpt_path: str | Path,
+    model: Decoder,
+    init_from: str | Path | None,
     out_dir: str | Path,
     *,
+    tokenizer: Tokenizer | None = None,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE,
 ) -> Path:
-    """Export a `mhar fit` checkpoint file of a `sum` model (e.g. `last.ckpt`, or a consolidated FSDP one).
-
-    When the run started from a converted model (`model.init_from`), that directory's tokenizer files and the
-    source's token ids go along, so the export is the mid-trained version of the original Hugging Face model.
-    """
-    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
-    hparams = checkpoint.get("hyper_parameters", {})
-    if "model_config" not in hparams:
-        raise ConversionError(f"{ckpt_path} records no model_config: pass a checkpoint that `mhar fit` wrote")
-    config = ModelConfig(**hparams["model_config"])
-    decoder = Decoder(config, make_residual(hparams["residual"]))
-    decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in checkpoint["state_dict"].items()})
-    out = export_hf(decoder, out_dir, dtype=dtype, max_shard_size=max_shard_size)
-    init_from = hparams.get("init_from")
-    if init_from is not None and (Path(init_from) / CONFIG_FILE).is_file():
-        source = read_converted_config(init_from).get("source", {}).get("hf_config", {})
-        hf_config = json.loads((out / "config.json").read_text())
-        hf_config |= {key: source[key] for key in TOKEN_KEYS if key in source}
-        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        copy_tokenizer_files(init_from, out)
+    """Export the decoder of a `mhar fit` checkpoint. When the run started from a converted model (`init_from`),
+    that directory's tokenizer files and the source's token ids go along, so the export is the mid-trained version
+    of the original Hugging Face model; otherwise `tokenizer` (the run's) is written."""
+    if init_from is None or not (Path(init_from) / CONFIG_FILE).is_file():
+        return export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
+    out = export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+    source = read_converted_config(init_from).get("source", {}).get("hf_config", {})
+    hf_config = json.loads((out / "config.json").read_text())
+    hf_config |= {key: source[key] for key in TOKEN_KEYS if key in source}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    copy_tokenizer_files(init_from, out)
     return out

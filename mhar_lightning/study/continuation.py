@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import (
     CONFIG_FILE,
     FORMAT_VERSION,
     meta_decoder,
-    residual_spec,
     residual_template,
     routing_entries,
 )
@@ -38,8 +38,11 @@ def convert_checkpoint(ckpt: Path, out: Path, residual: str | dict[str, Any]) ->
     sources without routing (`sum`) and targets that start as the identity of the source (`sum`, `delta-mhar`).
     """
     checkpoint = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True)
-    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if k in MODEL_ARGS}
-    config = LanguageModel(**hparams).model_config
+    recorded = checkpoint["hyper_parameters"]
+    if "model_config" in recorded:
+        config = ModelConfig(**recorded["model_config"])
+    else:  # a checkpoint written before runs recorded their whole shape
+        config = LanguageModel(**{k: v for k, v in recorded.items() if k in MODEL_ARGS}).model_config
     template = residual_of(residual)
     model = meta_decoder(config, template)
     routing = routing_entries(model, torch.float32)
@@ -59,7 +62,7 @@ def convert_checkpoint(ckpt: Path, out: Path, residual: str | dict[str, Any]) ->
     meta = {
         "format_version": FORMAT_VERSION,
         "model": config.to_dict(),
-        "residual": residual_spec(template),
+        "residual": template.spec(),
         "dtype": "float32",
         "source": {"path": str(ckpt.resolve()), "step": checkpoint.get("global_step")},
     }

@@ -1,0 +1,98 @@
+"""Open any checkpoint the kit writes for inference: a Lightning `.ckpt` (also a consolidated FSDP one) or a
+converted directory, with the tokenizer it was trained with."""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mhar_lightning.config import ModelConfig
+from mhar_lightning.consolidate import META_FILE
+from mhar_lightning.convert.checkpoint import CONFIG_FILE, load_decoder
+from mhar_lightning.dtypes import DTYPES
+from mhar_lightning.model import Decoder
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.residual import make_residual
+from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class Loaded:
+    """A decoder in eval mode and its tokenizer."""
+
+    model: Decoder
+    tokenizer: Tokenizer
+    init_from: str | None = None
+    """The converted directory the training run started from, if any."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed.weight.device
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(
+    checkpoint: str | Path, tokenizer: str | None = None, device: str | None = None, dtype: str | None = None
+) -> Loaded:
+    """The decoder of `checkpoint` on `device` (default: CUDA if present) in `dtype` (default: bfloat16 on CUDA,
+    float32 on CPU), with `tokenizer` (default: the one recorded by the training run)."""
+    path = Path(checkpoint)
+    device = device or default_device()
+    dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    init_from = None
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        model, recorded = load_decoder(path), None
+    elif path.is_dir() and (path / META_FILE).is_file():
+        raise ValueError(f"{path} is a sharded checkpoint: merge it first with `mhar consolidate {path} model.ckpt`")
+    elif path.is_file():
+        raw = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        hparams = raw.get("hyper_parameters") or {}
+        model, init_from = run_decoder(path, raw), hparams.get("init_from")
+        recorded = (raw.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    else:
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist: pass a .ckpt file, a consolidated checkpoint or a converted directory"
+        )
+    name = tokenizer or recorded
+    if name is None:
+        raise ValueError(f"{path} records no tokenizer: pass --tokenizer (e.g. gpt2, or the model's tokenizer file)")
+    tok = load_tokenizer(name)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer {name!r} has {tok.vocab_size} tokens but the model only {model.config.vocab_size}: "
+            "pass the tokenizer the model was trained with"
+        )
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    return Loaded(model, tok, init_from)
+
+
+def run_decoder(path: Path, raw: dict) -> Decoder:
+    """The decoder of a `mhar fit` checkpoint `raw` (read from `path`): rebuilt from the shape it records, which
+    also holds for runs that started from a converted directory (`init_from`) no longer at hand."""
+    hparams = raw.get("hyper_parameters") or {}
+    if "model_config" not in hparams:  # written before checkpoints recorded the whole shape
+        module = LanguageModel.load_from_checkpoint(
+            path, map_location="cpu", compile=False, activation_checkpointing="none", init_from=None
+        )
+        return module.decoder
+    decoder = Decoder(ModelConfig(**hparams["model_config"]), make_residual(hparams["residual"]))
+    decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in raw["state_dict"].items()})
+    return decoder
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint argument and the options every inference command shares."""
+    parser.add_argument("checkpoint", type=Path, help=".ckpt file, consolidated checkpoint or converted directory")
+    parser.add_argument("--tokenizer", help="tokenizer name or file (default: the one the run trained with)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def load_from_args(args: argparse.Namespace) -> Loaded:
+    return load_model(args.checkpoint, args.tokenizer, args.device, args.dtype)

@@ -1,0 +1,98 @@
+"""The lm-evaluation-harness model `mhar`: log-likelihoods against the model's own logits, rolling log-likelihood
+against `mhar evaluate`, generation against the kit's greedy decoding, and a local task end to end."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="mhar-datasets-"))
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+lm_eval = pytest.importorskip("lm_eval")
+
+from eval_helpers import trained_checkpoint  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from mhar_lightning.cli import main as mhar  # noqa: E402
+from mhar_lightning.data.shards import TokenStream  # noqa: E402
+from mhar_lightning.eval import MharLM  # noqa: E402
+from mhar_lightning.eval.evaluate import evaluate_tokens, token_bytes  # noqa: E402
+from mhar_lightning.eval.generate import generate  # noqa: E402
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return trained_checkpoint(tmp_path_factory.mktemp("run"))
+
+
+def request(kind: str, *args) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def test_loglikelihood_sums_the_continuation_log_probabilities(run):
+    checkpoint, _ = run
+    lm = MharLM(str(checkpoint), device="cpu", batch_size=2)
+    model = lm.model
+    pairs = [("The quick", " brown fox"), ("x", "y"), ("def add(a, b): return a + b", " # a longer tail"), ("", "ab")]
+    results = lm.loglikelihood([request("loglikelihood", *pair) for pair in pairs])
+    for (context, continuation), (logprob, greedy) in zip(pairs, results, strict=True):
+        ids = list((context + continuation).encode()) if context else [0, *continuation.encode()]
+        n = len(continuation.encode())
+        inputs = ids[:-1][-model.config.max_seq_len :]  # contexts longer than the model are cut from the left
+        logprobs = torch.log_softmax(model.double()(torch.tensor([inputs]))[0], -1)[-n:]
+        targets = torch.tensor(ids[-n:])
+        assert logprob == pytest.approx(float(logprobs.gather(-1, targets[:, None]).sum()), rel=1e-5)
+        assert greedy == bool((logprobs.argmax(-1) == targets).all())
+
+
+def test_loglikelihood_rolling_equals_evaluate_total_loss(run):
+    checkpoint, data = run
+    lm = MharLM(str(checkpoint), device="cpu")
+    stream = TokenStream(data, "val", lm.tok)
+    tokens = stream[0 : len(stream)]
+    assert len(tokens) % lm.max_length  # a last partial window is exercised
+    (rolling,) = lm.loglikelihood_rolling([request("loglikelihood_rolling", lm.tok.decode(tokens.tolist()))])
+    scores = evaluate_tokens(lm.model, tokens, lm.eot_token_id, token_bytes(lm.tok, 256), progress=False)
+    assert -rolling == pytest.approx(scores.loss_sum, rel=1e-6)
+
+
+def test_generate_until_stops_at_the_first_stop_string(run):
+    checkpoint, _ = run
+    lm = MharLM(str(checkpoint), device="cpu")
+    greedy = lm.tok.decode(list(generate(lm.model, list(b"The quick"), 6)))
+    (text,) = lm.generate_until([request("generate_until", "The quick", {"until": ["\n"], "max_gen_toks": 6})])
+    assert text == greedy.split("\n")[0].split("\x00")[0]
+    stop = greedy[2:4]
+    (text,) = lm.generate_until([request("generate_until", "The quick", {"until": [stop], "max_gen_toks": 6})])
+    assert text == greedy.split(stop)[0]
+
+
+def test_simple_evaluate_runs_a_local_task_by_model_name(run, monkeypatch):
+    checkpoint, _ = run
+    monkeypatch.chdir(TASKS)  # the task's data_files path is relative
+    results = lm_eval.simple_evaluate(
+        model="mhar",
+        model_args=f"checkpoint={checkpoint},device=cpu",
+        tasks=["mhar_tiny_mc"],
+        task_manager=lm_eval.tasks.TaskManager(include_path=str(TASKS)),
+    )
+    accuracy = results["results"]["mhar_tiny_mc"]["acc,none"]
+    assert accuracy in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_cli_lm_eval_writes_table_and_json(run, tmp_path, monkeypatch, capsys):
+    checkpoint, _ = run
+    monkeypatch.chdir(TASKS)
+    out = tmp_path / "lm_eval.json"
+    args = ["lm-eval", str(checkpoint), "--tasks", "mhar_tiny_mc", "--include-path", str(TASKS), "--out", str(out)]
+    with pytest.raises(SystemExit) as done:
+        mhar([*args, "--device", "cpu"])
+    assert done.value.code == 0
+    assert "mhar_tiny_mc" in capsys.readouterr().out
+    assert "acc,none" in json.loads(out.read_text())["results"]["mhar_tiny_mc"]
