@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from mhar_lightning.callbacks import FinalStepCheckpoint
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.data import TokenDataModule
+from mhar_lightning.errors import ConfigError, MharError
 from mhar_lightning.module import LanguageModel
 
 TOOLS: dict[str, tuple[str, str, str]] = {
@@ -47,10 +48,6 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 
 VOCAB_MULTIPLE = 64
 BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
-
-
-class ConfigError(ValueError):
-    """A configuration that must not start training; the message names the fix."""
 
 
 def padded_vocab(tokenizer_vocab: int) -> int:
@@ -252,9 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(run_tool(args[0], args[1:]))
     try:
         MharCLI(args=None if argv is None else args)
-    except ConfigError as error:
+    except MharError as error:
+        if os.environ.get("MHAR_TRACEBACK") == "1":
+            raise
         print(f"mhar: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(error.exit_code) from None
 
 
 if __name__ == "__main__":
