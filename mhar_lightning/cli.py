@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from mhar_lightning.callbacks import FinalStepCheckpoint
+from mhar_lightning.checkpoint_config import runtime_overrides
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.errors import ConfigError, MharError
@@ -86,9 +87,33 @@ class MharCLI(LightningCLI):
                 if flag in ("--model.vocab_size", "--model.seq_len"):
                     raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
             self.config = parser.parse_args(with_recipe_bases(args))
+            if self.config.get(str(self.config.get("subcommand")), {}).get("ckpt_path"):  # what the user set, alone
+                self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
         else:
             super().parse_arguments(parser, args)
         check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
+        checkpoint's model arguments (Lightning's behaviour) except the runtime ones the user set."""
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(str(subcommand))
+        if not subcommand or not config.get("ckpt_path"):
+            return
+        dirpath = config.checkpoint.dirpath or str(Path(config.trainer.default_root_dir or os.getcwd()) / "checkpoints")
+        path = checkpoint_file(config.ckpt_path, dirpath)
+        if path is None or not Path(path).is_file():
+            return
+        config.ckpt_path = path
+        given = getattr(self, "given", None)
+        given_model = given.get(f"{subcommand}.model") if given is not None else None
+        hparams = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("hyper_parameters") or {}
+        keep = runtime_overrides(
+            given_model.as_dict() if given_model is not None else {}, config.model.as_dict(), hparams, path
+        )
+        super()._parse_ckpt_path()
+        for field, value in keep.items():
+            self.config[subcommand].model[field] = value
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -209,13 +234,19 @@ def with_recipe_bases(args: list[str]) -> list[str]:
     return expanded
 
 
-def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
-    """Refuse a checkpoint whose model vocabulary differs from the data's tokenizer (before any training)."""
+def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
+    """The checkpoint `ckpt_path` names: `last` is the newest `last*.ckpt` of `checkpoint_dir` (None if none)."""
     if ckpt_path == "last":
         candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-        ckpt_path = str(candidates[-1]) if candidates else None
-    elif ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
+        return str(candidates[-1]) if candidates else None
+    if ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
         raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
+    return ckpt_path
+
+
+def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
+    """Refuse a checkpoint whose model vocabulary differs from the data's tokenizer (before any training)."""
+    ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
     checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)

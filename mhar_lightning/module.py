@@ -240,7 +240,7 @@ class LanguageModel(L.LightningModule):
             norm = full_tensor(
                 torch.nn.utils.get_total_norm(p.grad for p in self.decoder.parameters() if p.grad is not None)
             )
-        if self.nonfinite.check(self.trainer, norm):
+        if self._trainer is not None and self.nonfinite.check(self.trainer, norm):
             optimizer.zero_grad(set_to_none=True)
         if self.nonfinite.skip_limit:
             self.log("train/skipped_steps", float(self.nonfinite.skipped))
