@@ -20,6 +20,7 @@ from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.errors import ConfigError, MharError
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "prepare": ("mhar_lightning.data.prepare", "main", "Tokenize text files into checked token shards."),
@@ -155,7 +156,10 @@ class MharCLI(LightningCLI):
                 self.model.check_strategy(self.trainer)
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
+        ckpt_path = checkpoint_file(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath)
+        if is_sharded_checkpoint(ckpt_path):
+            check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
+        check_checkpoint_vocab(ckpt_path, self.run_config.checkpoint.dirpath, self.datamodule)
 
     @property
     def root_dir(self) -> str:
@@ -276,9 +280,9 @@ def run_tool(name: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `mhar` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in TOOLS:
-        raise SystemExit(run_tool(args[0], args[1:]))
     try:
+        if args and args[0] in TOOLS:
+            raise SystemExit(run_tool(args[0], args[1:]))
         MharCLI(args=None if argv is None else args)
     except MharError as error:
         if os.environ.get("MHAR_TRACEBACK") == "1":
