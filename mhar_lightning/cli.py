@@ -16,10 +16,12 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from mhar_lightning.callbacks import FinalStepCheckpoint
 from mhar_lightning.checkpoint_config import runtime_overrides
-from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.errors import ConfigError, MharError
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 
 TOOLS: dict[str, tuple[str, str, str]] = {
@@ -87,6 +89,7 @@ class MharCLI(LightningCLI):
             for flag in (arg.partition("=")[0] for arg in args):
                 if flag in ("--model.vocab_size", "--model.seq_len"):
                     raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
+            check_class_paths(args)
             self.config = parser.parse_args(with_recipe_bases(args))
             if self.config.get(str(self.config.get("subcommand")), {}).get("ckpt_path"):  # what the user set, alone
                 self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
@@ -108,13 +111,17 @@ class MharCLI(LightningCLI):
         config.ckpt_path = path
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
-        hparams = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("hyper_parameters") or {}
+        hparams = read_checkpoint(path).get("hyper_parameters") or {}
         keep = runtime_overrides(
             given_model.as_dict() if given_model is not None else {}, config.model.as_dict(), hparams, path
         )
         super()._parse_ckpt_path()
         for field, value in keep.items():
             self.config[subcommand].model[field] = value
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        kwargs.setdefault("allow_abbrev", False)  # a typo such as --trainer.max_step fails instead of matching
+        return super().init_parser(**kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -148,18 +155,39 @@ class MharCLI(LightningCLI):
         except ConfigError:
             raise
         except ValueError as error:
-            raise ConfigError(str(error)) from error
+            raise ConfigError(one_line(str(error))) from error
 
     def after_instantiate_classes(self) -> None:
+        """Refuse, before any step, what would fail later: settings, data, checkpoint and output folders."""
+        config = self.run_config
         try:
             if self.subcommand == "fit":
                 self.model.check_strategy(self.trainer)
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        ckpt_path = checkpoint_file(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath)
+        ckpt_path = checkpoint_file(config.get("ckpt_path"), config.checkpoint.dirpath)
+        if self.subcommand == "test":
+            raise ConfigError(
+                "prepared data has train and val splits only, so there is no test set: use `mhar validate` with the"
+                " same arguments"
+            )
+        if self.subcommand == "validate" and ckpt_path is None and self.model.init_from is None:
+            raise ConfigError(
+                "mhar validate needs trained weights: pass --ckpt_path (a .ckpt, or last) or --model.init_from"
+            )
+        if self.subcommand == "fit" and not 0 < self.trainer.max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={self.trainer.max_steps}: set --trainer.max_steps N (N >= 1); the learning-rate"
+                " schedule is defined over optimizer steps"
+            )
+        self.datamodule.check()
         if is_sharded_checkpoint(ckpt_path):
             check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
-        check_checkpoint_vocab(ckpt_path, self.run_config.checkpoint.dirpath, self.datamodule)
+        check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
+        if self.subcommand == "fit":
+            check_output_dir(self.root_dir, "trainer.default_root_dir")
+            check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", checkpoint_bytes(self.model.model_config))
+            remove_stale_temporaries(config.checkpoint.dirpath)
 
     @property
     def root_dir(self) -> str:
@@ -253,7 +281,7 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
     ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
-    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+    checkpoint = read_checkpoint(ckpt_path)
     vocab = checkpoint.get("hyper_parameters", {}).get("vocab_size")
     trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
         "tokenizer", "the tokenizer it was trained with"
@@ -263,6 +291,30 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
             f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
             f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
         )
+
+
+def check_class_paths(args: list[str]) -> None:
+    """Refuse a `--<key>.class_path` flag naming a class that cannot be imported (jsonargparse crashes on it)."""
+    for flag, value in zip(args, [*args[1:], ""]):
+        flag, eq, inline = flag.partition("=")
+        value = inline if eq else value
+        if not flag.endswith(".class_path") or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise ConfigError(f"{flag} {value}: no class {name} in an importable module {module}; check the spelling")
+
+
+def one_line(message: str) -> str:
+    """A jsonargparse union error cut to its informative line (the reasons a value fits no accepted type)."""
+    lines = message.splitlines()
+    reasons = [line.strip().removeprefix("- ") for line in lines if line.strip().startswith("- ")]
+    reasons = [reason for reason in reasons if not reason.startswith("Expected a ")]
+    return reasons[0] if len(lines) > 1 and reasons else message
 
 
 def run_tool(name: str, argv: list[str]) -> int:

@@ -13,6 +13,7 @@ from rich.table import Table
 from torch import Tensor
 
 from mhar_lightning.callbacks.plots import depth_grid_figure
+from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     err = Console(stderr=True)
+    read_checkpoint(args.checkpoint)  # a damaged file or a sharded directory is one line, not a traceback
     model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
     if not routers_of(model):
         residual = model.hparams["residual"]["class_path"]
