@@ -277,7 +277,7 @@ def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
 
 
 def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
-    """Refuse a checkpoint whose model vocabulary differs from the data's tokenizer (before any training)."""
+    """Refuse a checkpoint whose vocabulary or rank file differs from the data's tokenizer (before any training)."""
     ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
@@ -291,6 +291,8 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
             f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
             f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
         )
+    state = checkpoint.get(type(datamodule).__qualname__) or {}
+    datamodule.check_fingerprint(state.get("tokenizer_fingerprint"), f"checkpoint {ckpt_path}")
 
 
 def check_class_paths(args: list[str]) -> None:

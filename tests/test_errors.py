@@ -1,5 +1,6 @@
 """User errors (config, data, checkpoint, disk) are one line naming the fix, exit code 2, found before any step."""
 
+import base64
 import os
 import time
 from pathlib import Path
@@ -158,3 +159,38 @@ def test_mhar_traceback_shows_the_traceback(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setenv("MHAR_TRACEBACK", "1")
     with pytest.raises(ValueError, match="data.batch_size=0 must be >= 1"):
         main(fit_args(tmp_path, "--data.batch_size", "0"))
+
+
+def rank_file(path: Path, swap: bool = False) -> Path:
+    """A 257-token BPE rank file (256 bytes + one merge); `swap` exchanges two ranks: same size, other tokenizer."""
+    order = list(range(256))
+    if swap:
+        order[97], order[98] = order[98], order[97]
+    lines = [base64.b64encode(bytes([byte])) + b" %d\n" % rank for rank, byte in enumerate(order)]
+    path.write_bytes(b"".join(lines) + base64.b64encode(b"ab") + b" 256\n")
+    return path
+
+
+def test_another_rank_file_of_the_same_size_is_refused_for_data_and_checkpoint(tmp_path: Path, capsys) -> None:
+    texts = [tmp_path / f"{i}.txt" for i in range(12)]
+    for i, text in enumerate(texts):
+        text.write_text(f"abba cabbage {i} " * 200)
+    ranks, other = rank_file(tmp_path / "ranks.tiktoken"), rank_file(tmp_path / "other.tiktoken", swap=True)
+    for name, tokenizer in (("data", ranks), ("other-data", other)):
+        prepare_files(texts, tmp_path / name, load_tokenizer(str(tokenizer)), val_fraction=0.3, progress=False)
+    args = [*fit_args(tmp_path, "--data.tokenizer", str(other), "--data.path", str(tmp_path / "data"))]
+    code, _, err = run(args, capsys)
+    assert code == 2 and last_line(err).startswith(
+        f"mhar: error: {tmp_path / 'data'} was prepared with a tokenizer of fingerprint "
+    )
+    assert last_line(err).endswith("(another rank file): pass the rank file it was prepared with, or re-run"
+                                   " `mhar prepare` with this one")  # fmt: skip
+
+    main(fit_args(tmp_path, "--data.tokenizer", str(ranks), "--data.path", str(tmp_path / "data")))
+    resume = ["--data.tokenizer", str(other), "--data.path", str(tmp_path / "other-data"), "--ckpt_path", "last"]
+    code, _, err = run([*fast_demo_args(tmp_path, max_steps=2), *resume], capsys)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert code == 2 and last_line(err).startswith(
+        f"mhar: error: checkpoint {ckpt} was trained with a tokenizer of fingerprint "
+    )
+    assert last_line(err).endswith("(another rank file): pass the rank file it was trained with")

@@ -107,6 +107,22 @@ class TokenDataModule(L.LightningDataModule):
             val = TokenStream(directory, "val", self.tokenizer, verify=self.verify_checksums)
             self.val_dataset = TokenWindowDataset(val, self.seq_len, self.val_samples, seed=0)
 
+    def state_dict(self) -> dict[str, str]:
+        """The tokenizer's fingerprint (sha256 of its ranks), so a resume with another rank file is refused."""
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint}
+
+    def load_state_dict(self, state_dict: dict[str, str]) -> None:
+        self.check_fingerprint(state_dict.get("tokenizer_fingerprint"), "the checkpoint")
+
+    def check_fingerprint(self, fingerprint: str | None, source: str) -> None:
+        """Refuse a tokenizer whose ranks differ from those `source` was trained with (same size or not)."""
+        if fingerprint is not None and fingerprint != self.tokenizer.fingerprint:
+            raise ShardError(
+                f"{source} was trained with a tokenizer of fingerprint {fingerprint[:12]} but data.tokenizer="
+                f"{self.tokenizer_name!r} has {self.tokenizer.fingerprint[:12]} (another rank file): pass the rank"
+                " file it was trained with"
+            )
+
     def _world(self) -> tuple[int, int]:
         """(world size, global rank) of the attached trainer, else a single process."""
         trainer = self.trainer

@@ -102,7 +102,14 @@ class ShardIndex:
 
     def check_tokenizer(self, tokenizer: Tokenizer, directory: Path) -> None:
         """Refuse a folder prepared with another tokenizer than ``tokenizer``."""
-        if self.tokenizer != TokenizerInfo.of(tokenizer):
+        requested = TokenizerInfo.of(tokenizer)
+        if self.tokenizer != requested and self.tokenizer.vocab_size == requested.vocab_size:
+            raise ShardError(
+                f"{directory} was prepared with a tokenizer of fingerprint {self.tokenizer.fingerprint[:12]} but"
+                f" {tokenizer.name!r} has {requested.fingerprint[:12]} (another rank file): pass the rank file it"
+                " was prepared with, or re-run `mhar prepare` with this one"
+            )
+        if self.tokenizer != requested:
             raise ShardError(
                 f"{directory} was prepared with tokenizer {self.tokenizer.name!r} (vocab {self.tokenizer.vocab_size}) "
                 f"but {tokenizer.name!r} (vocab {tokenizer.vocab_size}) was requested: request "
