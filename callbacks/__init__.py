@@ -4,6 +4,7 @@ from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
 from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
+from mhar_lightning.callbacks.progress import StepProgressBar
 from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "FinalStepCheckpoint",
     "HeadDisagreementProbe",
     "PeakMemoryMonitor",
+    "StepProgressBar",
     "TokenThroughputMonitor",
 ]

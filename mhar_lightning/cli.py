@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from mhar_lightning.callbacks import FinalStepCheckpoint
+from mhar_lightning.callbacks import FinalStepCheckpoint, StepProgressBar
 from mhar_lightning.checkpoint_config import runtime_overrides
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
@@ -23,6 +24,7 @@ from mhar_lightning.errors import ConfigError, MharError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
+from mhar_lightning.terminal import quiet_third_party_noise
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "prepare": ("mhar_lightning.data.prepare", "main", "Tokenize text files into checked token shards."),
@@ -194,7 +196,8 @@ class MharCLI(LightningCLI):
         return self.run_config.trainer.default_root_dir or os.getcwd()
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """Add the TensorBoard logger and the atomic checkpoint writer unless the config sets its own."""
+        """Add the TensorBoard logger, the atomic checkpoint writer and the step progress bar unless the config sets
+        its own."""
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
@@ -202,6 +205,12 @@ class MharCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
 
@@ -334,6 +343,7 @@ def run_tool(name: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `mhar` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party_noise()
     try:
         if args and args[0] in TOOLS:
             raise SystemExit(run_tool(args[0], args[1:]))
