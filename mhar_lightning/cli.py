@@ -182,7 +182,8 @@ class MharCLI(LightningCLI):
                 f"trainer.max_steps={self.trainer.max_steps}: set --trainer.max_steps N (N >= 1); the learning-rate"
                 " schedule is defined over optimizer steps"
             )
-        self.datamodule.check()
+        if self.subcommand is not None:  # a run, not a config being inspected (run=False)
+            self.datamodule.check()
         if is_sharded_checkpoint(ckpt_path):
             check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
         check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
