@@ -55,6 +55,17 @@ def test_runtime_flags_change_on_resume_and_the_rest_comes_from_the_checkpoint(t
     resumed = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 2 and resumed["hyper_parameters"]["skip_nonfinite"] == 2
     code, out, err = run(
-        ["validate", "--ckpt_path", str(ckpt), "--data.seq_len", "32", "--trainer.limit_val_batches", "1"], capsys
+        [
+            "validate",
+            "--trainer.default_root_dir",
+            str(root),
+            "--ckpt_path",
+            str(ckpt),
+            "--data.seq_len",
+            "32",
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+        capsys,
     )
     assert code == 0, err  # no model flags: the checkpoint's MHAR model is validated

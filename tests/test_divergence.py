@@ -93,7 +93,8 @@ def test_a_non_finite_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
     name = next(iter(saved["state_dict"]))
     saved["state_dict"][name] = torch.full_like(saved["state_dict"][name], float("nan"))
     torch.save(saved, tmp_path / "nan.ckpt")
-    code, _, err = run(["validate", "--config", str(DEMO), "--ckpt_path", str(tmp_path / "nan.ckpt")], capsys)
+    args = ["validate", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path)]
+    code, _, err = run([*args, "--ckpt_path", str(tmp_path / "nan.ckpt")], capsys)
     assert code == 2
     assert err.strip().splitlines()[-1] == (
         f"mhar: error: checkpoint {tmp_path / 'nan.ckpt'} has non-finite weights (1 of {len(saved['state_dict'])}"
