@@ -27,16 +27,20 @@ RUNTIME_FIELDS = frozenset(
         "skip_nonfinite",
     }
 )
+TRAINING_FIELDS = frozenset({"optimizer", "grad_clip"})  # used by `fit` only: `validate` may differ in them
 LINKED_FIELDS = frozenset({"vocab_size", "seq_len"})  # set from the data config and checked against it elsewhere
 
 
-def runtime_overrides(given: dict[str, Any], model: dict[str, Any], hparams: dict[str, Any], path: str) -> dict:
+def runtime_overrides(
+    given: dict[str, Any], model: dict[str, Any], hparams: dict[str, Any], path: str, training: bool = True
+) -> dict:
     """The user's runtime fields to keep; raises `CheckpointError` on a given model field the checkpoint contradicts.
 
     `given` holds only what the user set (nested dicts), `model` the whole parsed model config, `hparams` the
-    checkpoint's `hyper_parameters`.
+    checkpoint's `hyper_parameters`; `training` is False for `validate`, where the optimizer settings do not count.
     """
-    for field in sorted(given.keys() - RUNTIME_FIELDS - LINKED_FIELDS):
+    runtime = RUNTIME_FIELDS if training else RUNTIME_FIELDS | TRAINING_FIELDS
+    for field in sorted(given.keys() - runtime - LINKED_FIELDS):
         if field not in hparams:
             continue
         for name, mine, theirs in differences(field, given[field], model[field], hparams):
@@ -45,7 +49,7 @@ def runtime_overrides(given: dict[str, Any], model: dict[str, Any], hparams: dic
                 " keeps its model and optimizer, so drop the flag (another model or optimizer is a new run, e.g."
                 " from converted weights with --model.init_from)"
             )
-    return {field: model[field] for field in given.keys() & RUNTIME_FIELDS}
+    return {field: model[field] for field in given.keys() & runtime}
 
 
 def differences(field: str, given: Any, value: Any, hparams: dict[str, Any]) -> list[tuple[str, Any, Any]]:

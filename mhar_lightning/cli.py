@@ -114,9 +114,8 @@ class MharCLI(LightningCLI):
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
         hparams = read_checkpoint(path).get("hyper_parameters") or {}
-        keep = runtime_overrides(
-            given_model.as_dict() if given_model is not None else {}, config.model.as_dict(), hparams, path
-        )
+        given_model = given_model.as_dict() if given_model is not None else {}
+        keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
         super()._parse_ckpt_path()
         for field, value in keep.items():
             self.config[subcommand].model[field] = value
