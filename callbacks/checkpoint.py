@@ -5,6 +5,9 @@ import os
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from mhar_lightning.divergence import weights_finite
+from mhar_lightning.errors import TrainingDiverged
+
 
 class FinalStepCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` (same arguments) that also saves the step a run ends at and keeps `last.ckpt` current.
@@ -14,6 +17,7 @@ class FinalStepCheckpoint(ModelCheckpoint):
     writes `last-v1.ckpt` beside a `last.ckpt` that still names the checkpoint it resumed from. Here a run without
     a monitored metric saves the step it ends at (a top-k checkpoint and `last`), and a resumed run takes over the
     `last.ckpt` of the directory it resumed from. A fresh run never overwrites an earlier run's `last.ckpt`.
+    Weights that are not finite are never saved: the run stops instead, keeping the last finite checkpoint.
     """
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -42,3 +46,11 @@ class FinalStepCheckpoint(ModelCheckpoint):
             if self.save_top_k != 0:
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+    def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
+        if not weights_finite(trainer.lightning_module, trainer):
+            raise TrainingDiverged(
+                f"training diverged: the weights after step {trainer.global_step} are not finite, so {filepath} was"
+                " not written: lower --model.optimizer.lr and resume from the last checkpoint (--ckpt_path last)"
+            )
+        super()._save_checkpoint(trainer, filepath)

@@ -1,39 +1,64 @@
-"""`StepProgressBar`: Lightning's rich progress bar without a GPU synchronisation at every step."""
+"""`StepProgressBar`: Lightning's rich progress bar for step-based runs, without a GPU synchronisation at every step,
+and a plain line per interval when output is not a terminal."""
 
+import sys
+import time
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 
 class StepProgressBar(RichProgressBar):
-    """The rich progress bar, showing `metrics` (training metrics by name) refreshed every `log_every_n_steps`.
+    """The rich bar, showing `metrics` (training metrics by name) refreshed every `every_n_steps` steps (default: the
+    trainer's `log_every_n_steps`), without the `Epoch 0/-2` of a run bounded by `max_steps`.
 
     Showing a metric copies it to the host, which waits for the GPU to finish the step. Lightning does that after
     every step for each metric logged with `prog_bar=True`, so the host never runs ahead of the GPU and a compiled
     model trains several per cent slower. The kit logs its training loss without `prog_bar`; this bar reads it, and
     any other metric named here, from the trainer's callback metrics only when it refreshes them. The step count
-    still advances every step.
+    still advances every step. When stdout is not a terminal (a log file, SLURM), where the bar draws nothing, it
+    prints one plain line per interval: `step 300/600 (50%) | train/loss 1.234 | 2.10 steps/s | eta 2m23s`.
 
     Args:
         metrics: names of logged metrics to show.
+        every_n_steps: steps between metric refreshes and plain lines (None: `trainer.log_every_n_steps`).
     """
 
-    def __init__(self, metrics: tuple[str, ...] = ("train/loss",), **kwargs: Any) -> None:
+    def __init__(
+        self, metrics: tuple[str, ...] = ("train/loss",), every_n_steps: int | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.metrics = tuple(metrics)
+        self.every_n_steps = every_n_steps
+        self._start: tuple[float, int] | None = None
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+        return super()._get_train_description(current_epoch)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._start = (time.monotonic(), trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if step % (self.every_n_steps or max(1, trainer.log_every_n_steps)):
+            if not self.is_disabled and self.train_progress_bar_id is None:
+                self._initialize_train_progress_bar_id()
+            self._update(self.train_progress_bar_id, batch_idx + 1)
+            self.refresh()
             return
-        if not self.is_disabled and self.train_progress_bar_id is None:
-            self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, batch_idx + 1)
-        self.refresh()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if step > 0 and not sys.stdout.isatty():
+            self._print_line(trainer)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         shown = super().get_metrics(trainer, pl_module)
@@ -41,5 +66,20 @@ class StepProgressBar(RichProgressBar):
         for name in self.metrics:
             value = trainer.callback_metrics.get(name)
             if isinstance(value, Tensor) and value.numel() == 1:
-                shown[name] = f"{float(value):.4g}"
+                shown[name] = float(value)
         return shown
+
+    @rank_zero_only
+    def _print_line(self, trainer: L.Trainer) -> None:
+        started, first_step = self._start or (time.monotonic(), 0)
+        rate = (trainer.global_step - first_step) / max(time.monotonic() - started, 1e-9)
+        parts = [f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
+        if trainer.max_steps > 0:
+            parts[0] += f" ({100 * trainer.global_step / trainer.max_steps:.0f}%)"
+        metrics = self.get_metrics(trainer, trainer.lightning_module)
+        parts += [f"{name} {value:.4g}" for name, value in metrics.items() if isinstance(value, (int, float))]
+        parts.append(f"{rate:.2f} steps/s")
+        if trainer.max_steps > 0 and rate > 0:
+            left = int((trainer.max_steps - trainer.global_step) / rate)
+            parts.append(f"eta {left // 60}m{left % 60:02d}s")
+        print(" | ".join(parts), flush=True)

@@ -1,13 +1,21 @@
 """Crash-safe checkpoint files: write beside the target, fsync, then atomically rename over it."""
 
 import os
+import shutil
 import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from mhar_lightning.errors import CheckpointError
+
+TMP_SUFFIX = ".tmp"
+STALE_AFTER_S = 300  # a save in progress keeps writing its file; one untouched this long was cut short
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -30,7 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=TMP_SUFFIX, dir=folder)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
@@ -38,9 +46,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the usual permissions
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as error:
             if os.path.exists(tmp):
                 os.remove(tmp)
+            if isinstance(error, (OSError, RuntimeError)):  # torch.save reports a short write as a RuntimeError
+                free = shutil.disk_usage(folder).free / 2**20
+                raise CheckpointError(
+                    f"writing checkpoint {path} failed ({str(error).splitlines()[0]}; {free:.0f} MiB free there):"
+                    " free space or choose another --checkpoint.dirpath, then resume with --ckpt_path last"
+                    " (the previous checkpoint is intact)"
+                ) from error
             raise
         dir_fd = os.open(folder, os.O_RDONLY)
         try:
@@ -54,3 +69,16 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def remove_stale_temporaries(folder: str | Path, stale_after_s: float = STALE_AFTER_S) -> list[Path]:
+    """Delete the temporary files of saves that were cut short (e.g. `kill -9` mid-save); returns them."""
+    now, removed = time.time(), []
+    for path in Path(folder).glob(f".*.ckpt.*{TMP_SUFFIX}"):
+        try:
+            if now - path.stat().st_mtime > stale_after_s:
+                path.unlink()
+                removed.append(path)
+        except FileNotFoundError:
+            continue
+    return removed

@@ -16,12 +16,18 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, StepProgressBar
-from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+from mhar_lightning.checkpoint_config import runtime_overrides
+from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
 from mhar_lightning.config import VOCAB_MULTIPLE, padded_vocab
 from mhar_lightning.convert import check_data_tokenizer
 from mhar_lightning.data import ShardIndex, TokenDataModule
 from mhar_lightning.data.shards import INDEX_FILE
+from mhar_lightning.errors import ConfigError, MharError
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
+from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
+from mhar_lightning.terminal import quiet_third_party_noise
 
 TOOLS: dict[str, tuple[str, str, str]] = {
     "prepare": ("mhar_lightning.data.prepare", "main", "Tokenize text files into checked token shards."),
@@ -63,10 +69,6 @@ TOOLS: dict[str, tuple[str, str, str]] = {
 BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
 
 
-class ConfigError(ValueError):
-    """A configuration that must not start training; the message names the fix."""
-
-
 class MharCLI(LightningCLI):
     """`LightningCLI` for `LanguageModel` + `TokenDataModule` with the kit's trainer defaults and argument links.
 
@@ -97,6 +99,7 @@ class MharCLI(LightningCLI):
             for flag in (arg.partition("=")[0] for arg in args):
                 if flag in ("--model.vocab_size", "--model.seq_len"):
                     raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
+            check_class_paths(args)
             try:
                 self.config = parser.parse_args(with_recipe_bases(args))
             except (ImportError, AttributeError) as error:
@@ -106,9 +109,36 @@ class MharCLI(LightningCLI):
                     f"a class_path in the config cannot be imported ({error}): check its spelling, install the package"
                     " that provides it or add its directory to PYTHONPATH"
                 ) from None
+            if self.config.get(str(self.config.get("subcommand")), {}).get("ckpt_path"):  # what the user set, alone
+                self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
         else:
             super().parse_arguments(parser, args)
         check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
+        checkpoint's model arguments (Lightning's behaviour) except the runtime ones the user set."""
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(str(subcommand))
+        if not subcommand or not config.get("ckpt_path"):
+            return
+        dirpath = config.checkpoint.dirpath or str(Path(config.trainer.default_root_dir or os.getcwd()) / "checkpoints")
+        path = checkpoint_file(config.ckpt_path, dirpath)
+        if path is None or not Path(path).is_file():
+            return
+        config.ckpt_path = path
+        given = getattr(self, "given", None)
+        given_model = given.get(f"{subcommand}.model") if given is not None else None
+        hparams = read_checkpoint(path).get("hyper_parameters") or {}
+        given_model = given_model.as_dict() if given_model is not None else {}
+        keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
+        super()._parse_ckpt_path()
+        for field, value in keep.items():
+            self.config[subcommand].model[field] = value
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        kwargs.setdefault("allow_abbrev", False)  # a typo such as --trainer.max_step fails instead of matching
+        return super().init_parser(**kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -142,16 +172,41 @@ class MharCLI(LightningCLI):
         except ConfigError:
             raise
         except ValueError as error:
-            raise ConfigError(str(error)) from error
+            raise ConfigError(one_line(str(error))) from error
 
     def after_instantiate_classes(self) -> None:
+        """Refuse, before any step, what would fail later: settings, data, checkpoint and output folders."""
+        config = self.run_config
         try:
             if self.subcommand == "fit":
                 self.model.check_strategy(self.trainer)
         except ValueError as error:
             raise ConfigError(str(error)) from error
-        check_checkpoint_vocab(self.run_config.get("ckpt_path"), self.run_config.checkpoint.dirpath, self.datamodule)
+        ckpt_path = checkpoint_file(config.get("ckpt_path"), config.checkpoint.dirpath)
+        if self.subcommand == "test":
+            raise ConfigError(
+                "prepared data has train and val splits only, so there is no test set: use `mhar validate` with the"
+                " same arguments"
+            )
+        if self.subcommand == "validate" and ckpt_path is None and self.model.init_from is None:
+            raise ConfigError(
+                "mhar validate needs trained weights: pass --ckpt_path (a .ckpt, or last) or --model.init_from"
+            )
+        if self.subcommand == "fit" and not 0 < self.trainer.max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={self.trainer.max_steps}: set --trainer.max_steps N (N >= 1); the learning-rate"
+                " schedule is defined over optimizer steps"
+            )
+        if self.subcommand is not None:  # a run, not a config being inspected (run=False)
+            self.datamodule.check()
+        if is_sharded_checkpoint(ckpt_path):
+            check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
+        check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
         check_data(self.model, self.datamodule)
+        if self.subcommand == "fit":
+            check_output_dir(self.root_dir, "trainer.default_root_dir")
+            check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", checkpoint_bytes(self.model.model_config))
+            remove_stale_temporaries(config.checkpoint.dirpath)
 
     @property
     def root_dir(self) -> str:
@@ -173,6 +228,12 @@ class MharCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
 
@@ -245,16 +306,22 @@ def with_recipe_bases(args: list[str]) -> list[str]:
     return expanded
 
 
-def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
-    """Refuse a checkpoint whose model vocabulary differs from the data's tokenizer (before any training)."""
+def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
+    """The checkpoint `ckpt_path` names: `last` is the newest `last*.ckpt` of `checkpoint_dir` (None if none)."""
     if ckpt_path == "last":
         candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-        ckpt_path = str(candidates[-1]) if candidates else None
-    elif ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
+        return str(candidates[-1]) if candidates else None
+    if ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
         raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
+    return ckpt_path
+
+
+def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
+    """Refuse a checkpoint whose vocabulary or rank file differs from the data's tokenizer (before any training)."""
+    ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
-    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+    checkpoint = read_checkpoint(ckpt_path)
     vocab = checkpoint.get("hyper_parameters", {}).get("vocab_size")
     trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
         "tokenizer", "the tokenizer it was trained with"
@@ -265,6 +332,32 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
             f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
             f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
         )
+    state = checkpoint.get(type(datamodule).__qualname__) or {}
+    datamodule.check_fingerprint(state.get("tokenizer_fingerprint"), f"checkpoint {ckpt_path}")
+
+
+def check_class_paths(args: list[str]) -> None:
+    """Refuse a `--<key>.class_path` flag naming a class that cannot be imported (jsonargparse crashes on it)."""
+    for flag, value in zip(args, [*args[1:], ""]):
+        flag, eq, inline = flag.partition("=")
+        value = inline if eq else value
+        if not flag.endswith(".class_path") or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise ConfigError(f"{flag} {value}: no class {name} in an importable module {module}; check the spelling")
+
+
+def one_line(message: str) -> str:
+    """A jsonargparse union error cut to its informative line (the reasons a value fits no accepted type)."""
+    lines = message.splitlines()
+    reasons = [line.strip().removeprefix("- ") for line in lines if line.strip().startswith("- ")]
+    reasons = [reason for reason in reasons if not reason.startswith("Expected a ")]
+    return reasons[0] if len(lines) > 1 and reasons else message
 
 
 def check_data(model: LanguageModel, datamodule: TokenDataModule) -> None:
@@ -294,13 +387,16 @@ def run_tool(name: str, argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `mhar` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in TOOLS:
-        raise SystemExit(run_tool(args[0], args[1:]))
+    quiet_third_party_noise()
     try:
+        if args and args[0] in TOOLS:
+            raise SystemExit(run_tool(args[0], args[1:]))
         MharCLI(args=None if argv is None else args)
-    except ConfigError as error:
+    except MharError as error:
+        if os.environ.get("MHAR_TRACEBACK") == "1":
+            raise
         print(f"mhar: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(error.exit_code) from None
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+from torch.distributed.checkpoint import TensorStorageMetadata, load
 
 from mhar_lightning.dtypes import DTYPES
+from mhar_lightning.sharded_checkpoint import SafeFileSystemReader, check_sharded_checkpoint
 
 META_FILE = "meta.pt"  # written by Lightning's ModelParallelStrategy next to the shards
 MODEL_KEY = "state_dict"
@@ -27,12 +28,13 @@ def consolidate(sharded_dir: str | Path, out: str | Path, dtype: torch.dtype | N
             f"{sharded_dir} is not a sharded checkpoint directory (no {META_FILE} and .metadata): pass a checkpoint"
             " written with ModelParallelStrategy(save_distributed_checkpoint=True)"
         )
+    metadata = check_sharded_checkpoint(sharded_dir)
     checkpoint = torch.load(sharded_dir / META_FILE, map_location="cpu", weights_only=True)
-    reader = FileSystemReader(sharded_dir)
+    reader = SafeFileSystemReader(sharded_dir)
     prefix = f"{MODEL_KEY}."
     state = {
         key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     with warnings.catch_warnings():

@@ -14,6 +14,7 @@ from rich.table import Table
 from torch import Tensor
 
 from mhar_lightning.callbacks.plots import depth_grid_figure
+from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=max(120, Console().width))  # a row per site is worth more than fitting 80 columns
     err = Console(stderr=True)
+    read_checkpoint(args.checkpoint)  # a damaged file or a sharded directory is one line, not a traceback
     model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
     if not routers_of(model):
         residual = model.hparams["residual"]["class_path"]

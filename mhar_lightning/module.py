@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
+from mhar_lightning.divergence import NonFiniteGuard, check_finite_state
 from mhar_lightning.dtypes import dtype_from_name
 from mhar_lightning.loss import chunked_cross_entropy
 from mhar_lightning.model import Decoder
@@ -73,6 +74,8 @@ class LanguageModel(L.LightningModule):
         model_overrides: any other `ModelConfig` fields to change (with `init_from`, only to the same values).
         optimizer: AdamW and schedule settings.
         grad_clip: max global gradient norm (0 disables clipping).
+        skip_nonfinite: a step whose loss or gradient norm is not finite stops the run (`TrainingDiverged`) before
+            it is applied; with N > 0, up to N such steps in a row are skipped (gradients dropped, warned) instead.
         loss_chunk_tokens: tokens per chunk of fp32 logits in the loss.
         activation_checkpointing: per transformer block: `none`, `full` or `selective` (see `parallel.py`).
         compile: `torch.compile` each transformer block.
@@ -98,6 +101,7 @@ class LanguageModel(L.LightningModule):
         model_overrides: dict[str, Any] | None = None,
         optimizer: OptimizerConfig | dict[str, Any] | None = None,
         grad_clip: float = 1.0,
+        skip_nonfinite: int = 0,
         loss_chunk_tokens: int = 4096,
         activation_checkpointing: str = "none",
         compile: bool = False,
@@ -131,6 +135,7 @@ class LanguageModel(L.LightningModule):
             OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
         )
         self.grad_clip = grad_clip
+        self.nonfinite = NonFiniteGuard(skip_nonfinite)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
         self.compile_blocks = compile
@@ -212,6 +217,7 @@ class LanguageModel(L.LightningModule):
         batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
         self.flops_per_batch = self.model_config.flops_per_token(seq_len) * batch_size * seq_len
         loss = self.loss(batch)
+        self.nonfinite.watch_loss(loss)
         self.log("train/loss", loss)  # not prog_bar: Lightning would copy it to the host, a GPU sync, every step
         self._step_loss = loss
         return loss
@@ -269,9 +275,26 @@ class LanguageModel(L.LightningModule):
         return self._step_loss * factor
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip the gradients; stop (or skip) a step whose loss or gradient norm is not finite before it is applied."""
         if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.decoder.parameters(), self.grad_clip)
-            self.log("train/grad_norm", full_tensor(norm))
+            norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.decoder.parameters(), self.grad_clip))
+            self.log("train/grad_norm", norm)
+        else:
+            norm = full_tensor(
+                torch.nn.utils.get_total_norm(p.grad for p in self.decoder.parameters() if p.grad is not None)
+            )
+        if self._trainer is not None and self.nonfinite.check(self.trainer, norm, optimizer):
+            optimizer.zero_grad(set_to_none=True)
+        if self.nonfinite.skip_limit:
+            self.log("train/skipped_steps", float(self.nonfinite.skipped))
+
+    def on_train_end(self) -> None:
+        self.nonfinite.settle()  # the last steps' flags, read on the device's time so far
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse weights that are not finite (a checkpoint saved after training diverged)."""
+        source = self._trainer.ckpt_path if self._trainer is not None else None
+        check_finite_state(checkpoint.get("state_dict", {}), str(source or "being loaded"))
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""

@@ -35,6 +35,25 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
 
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "betas": all(0 <= beta < 1 for beta in self.betas),
+            "eps": self.eps > 0,
+            "routing_lr_mult": self.routing_lr_mult >= 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "decay_fraction": 0 < self.decay_fraction <= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(
+                    f"optimizer.{name}={getattr(self, name)} is out of range: lr and eps > 0, betas in [0, 1),"
+                    " weight_decay, routing_lr_mult and warmup_steps >= 0, min_lr_ratio in [0, 1],"
+                    " decay_fraction in (0, 1]"
+                )
+
 
 def parameter_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:
     """Decay only matrices of linear layers; routing parameters get their own learning rate and no decay."""

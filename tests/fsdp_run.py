@@ -6,6 +6,7 @@ Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-ra
 parameter elements), the first optimizer step's gradients to `OUT/first-grads.pt` and, at the end, the all-gathered
 weights to `OUT/gathered.pt`. `--kill-at` ends every rank abruptly after that step, as a pre-emption would.
 `--probe-every N` adds the depth-attention probe, whose maps land in `OUT/depth_attention/`.
+`--inf-loss-at STEP` makes the loss of rank 1 alone infinite at that step (its gradients stay finite).
 """
 
 import argparse
@@ -90,6 +91,7 @@ def main() -> None:
         help="capture each backward with compiled autograd; on a CPU its graphs run as traced (Inductor is slow there)",
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (Inductor)")
+    parser.add_argument("--inf-loss-at", type=int, help="make rank 1's loss infinite at this (1-based) step")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--param-dtype", default="float32", help="FSDP2 compute dtype of the parameters")
     args = parser.parse_args()
@@ -110,6 +112,16 @@ def main() -> None:
         compile=args.compile,
         compiled_autograd=args.compiled_autograd,
     )
+    if args.inf_loss_at:
+        loss = module.loss
+
+        def loss_inf_on_rank1(batch: torch.Tensor) -> torch.Tensor:
+            value = loss(batch)
+            if module.global_rank == 1 and module.trainer.global_step + 1 == args.inf_loss_at:
+                value = value + torch.tensor(float("inf"))  # a constant: the gradients are unchanged
+            return value
+
+        module.loss = loss_inf_on_rank1
     data = TokenDataModule(
         args.data,
         tokenizer="byte",

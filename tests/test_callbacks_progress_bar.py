@@ -1,12 +1,16 @@
-"""`mhar fit` reads tensors on the host only at log steps, so a GPU run never waits for the device between steps."""
+"""`StepProgressBar` through `mhar fit`: host reads of tensors only at log steps (so a GPU run never waits for the
+device between steps), the loss on the bar, and a plain line per interval off a terminal with no third-party noise."""
 
 import collections
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from cli_helpers import DEMO
+from cli_helpers import DEMO, env_with_tests_on_path, fast_demo_args
 
 from mhar_lightning.cli import MharCLI
 
@@ -68,3 +72,18 @@ def test_bar_shows_the_training_loss(tmp_path, log_every) -> None:
     shown = bar.get_metrics(cli.trainer, cli.model)
     assert float(shown["train/loss"]) == pytest.approx(float(cli.trainer.callback_metrics["train/loss"]), rel=1e-3)
     assert "train/loss" not in cli.trainer.progress_bar_metrics
+
+
+def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: Path) -> None:
+    args = [*fast_demo_args(tmp_path, max_steps=4), "--trainer.enable_progress_bar", "true"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mhar_lightning.cli", *args, "--trainer.log_every_n_steps", "2"],
+        env=env_with_tests_on_path(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 2/4 (50%)", "step 4/4 (100%)"]
+    assert all("train/loss " in line and "steps/s" in line for line in lines)
+    assert "Epoch 0/-2" not in done.stdout
+    for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec"):
+        assert noise not in done.stdout + done.stderr, noise

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from mhar_lightning.data.corpus import ensure_corpus
+from mhar_lightning.data.corpus import corpus_dir, ensure_corpus
 from mhar_lightning.data.dataset import TokenWindowDataset
-from mhar_lightning.data.shards import ShardIndex, TokenStream
+from mhar_lightning.data.shards import INDEX_FILE, ShardError, ShardIndex, TokenStream
 from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -50,6 +50,9 @@ class TokenDataModule(L.LightningDataModule):
         verify_checksums: check every shard's sha256 in ``setup`` (sizes are always checked).
         """
         super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"data.{name}={value} must be >= 1")
         self.save_hyperparameters()
         self.path, self.tokenizer_name, self.seq_len, self.batch_size = path, tokenizer, seq_len, batch_size
         self.num_workers, self.seed, self.samples_per_epoch = num_workers, seed, samples_per_epoch
@@ -79,6 +82,21 @@ class TokenDataModule(L.LightningDataModule):
         """Prepare the default corpus once per node and check the folder's tokenizer early."""
         ShardIndex.load(self.data_dir).check_tokenizer(self.tokenizer, self.data_dir)
 
+    def check(self) -> None:
+        """Refuse a missing or mismatched folder, or splits shorter than a window, from ``index.json`` alone."""
+        directory = Path(self.path) if self.path is not None else corpus_dir(self.tokenizer)
+        if self.path is None and not (directory / INDEX_FILE).is_file():
+            return  # the default corpus, prepared on first use
+        index = ShardIndex.load(directory)
+        index.check_tokenizer(self.tokenizer, directory)
+        for split, shards in index.splits.items():
+            tokens = sum(shard.tokens for shard in shards)
+            if shards and tokens < self.seq_len + 1:
+                raise ShardError(
+                    f"the {split!r} split of {directory} has {tokens} tokens, fewer than seq_len + 1 ="
+                    f" {self.seq_len + 1}: lower --data.seq_len or prepare more data"
+                )
+
     def setup(self, stage: str | None = None) -> None:
         """Open and verify the shards; build the training and validation datasets."""
         if self.train_dataset is not None:
@@ -89,6 +107,22 @@ class TokenDataModule(L.LightningDataModule):
         if train.index.splits.get("val"):
             val = TokenStream(directory, "val", self.tokenizer, verify=self.verify_checksums)
             self.val_dataset = TokenWindowDataset(val, self.seq_len, self.val_samples, seed=0)
+
+    def state_dict(self) -> dict[str, str]:
+        """The tokenizer's fingerprint (sha256 of its ranks), so a resume with another rank file is refused."""
+        return {"tokenizer_fingerprint": self.tokenizer.fingerprint}
+
+    def load_state_dict(self, state_dict: dict[str, str]) -> None:
+        self.check_fingerprint(state_dict.get("tokenizer_fingerprint"), "the checkpoint")
+
+    def check_fingerprint(self, fingerprint: str | None, source: str) -> None:
+        """Refuse a tokenizer whose ranks differ from those `source` was trained with (same size or not)."""
+        if fingerprint is not None and fingerprint != self.tokenizer.fingerprint:
+            raise ShardError(
+                f"{source} was trained with a tokenizer of fingerprint {fingerprint[:12]} but data.tokenizer="
+                f"{self.tokenizer_name!r} has {self.tokenizer.fingerprint[:12]} (another rank file): pass the rank"
+                " file it was trained with"
+            )
 
     def _world(self) -> tuple[int, int]:
         """(world size, global rank) of the attached trainer, else a single process."""

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mhar_lightning.data.shards import TokenStream
+from mhar_lightning.data.shards import ShardError, TokenStream
 
 
 class TokenWindowDataset(Dataset[torch.Tensor]):
@@ -21,9 +21,9 @@ class TokenWindowDataset(Dataset[torch.Tensor]):
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if len(stream) < seq_len + 1:
-            raise ValueError(
-                f"{stream.directory} has {len(stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}: "
-                "lower seq_len or prepare more data"
+            raise ShardError(
+                f"the {stream.split!r} split of {stream.directory} has {len(stream)} tokens, fewer than"
+                f" seq_len + 1 = {seq_len + 1}: lower --data.seq_len or prepare more data"
             )
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         self.num_samples = num_samples if num_samples is not None else len(stream) // seq_len

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mhar_lightning.errors import ConfigError
 from mhar_lightning.tokenizer import Tokenizer
 
 FORMAT = "mhar-shards/1"
@@ -26,7 +27,7 @@ INDEX_FILE = "index.json"
 _REPREPARE = "re-run `mhar prepare` on the source into a fresh folder"
 
 
-class ShardError(ValueError):
+class ShardError(ConfigError):
     """A prepared folder that cannot be used as is: its message names the fix."""
 
 
@@ -81,6 +82,8 @@ class ShardIndex:
     @classmethod
     def load(cls, directory: Path) -> ShardIndex:
         path = Path(directory) / INDEX_FILE
+        if not Path(directory).is_dir():
+            raise ShardError(f"data folder {directory} does not exist: pass a folder made by `mhar prepare`")
         if not path.is_file():
             raise ShardError(f"{directory} has no {INDEX_FILE}: it is not a prepared folder; {_REPREPARE}")
         try:
@@ -153,7 +156,7 @@ class TokenStream:
 
     def __init__(self, directory: Path, split: str, tokenizer: Tokenizer, verify: bool = True) -> None:
         """Open ``split`` of a prepared folder after checking tokenizer, sizes and (if ``verify``) checksums."""
-        self.directory = Path(directory)
+        self.directory, self.split = Path(directory), split
         self.index = ShardIndex.load(self.directory)
         self.index.check_tokenizer(tokenizer, self.directory)
         if split not in self.index.splits or not self.index.splits[split]:

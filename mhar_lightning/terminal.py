@@ -1,0 +1,21 @@
+"""Keep the terminal to what helps the user: no advert, no warnings about other libraries' internals."""
+
+import logging
+import warnings
+
+QUIETED_WARNINGS = (
+    "'set_vital' is deprecated",  # torchdata's StatefulDataLoader calls a deprecated torch function
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree helper, on torch >= 2.9
+)
+
+
+class _NoAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip:" not in str(record.msg)
+
+
+def quiet_third_party_noise() -> None:
+    """Drop Lightning's LitLogger tip and two deprecation warnings the user can do nothing about."""
+    for message in QUIETED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())

@@ -1,0 +1,71 @@
+"""Resuming keeps the checkpoint's model: a model argument that contradicts it is one line naming both values."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import fast_demo_args
+from test_cli import run
+
+from mhar_lightning.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run directory whose `checkpoints/last.ckpt` is the demo's MHAR model after one step."""
+    root = tmp_path_factory.mktemp("trained")
+    main(fast_demo_args(root, max_steps=1))
+    return root
+
+
+@pytest.mark.parametrize(
+    "flag, value, line",
+    [
+        ("--model.residual", "sum", "--model.residual=SumResidual() contradicts checkpoint {ckpt}, trained with"
+         " residual=MHAR(heads=4, blocks=None)"),
+        ("--model.model_overrides", "{d_model: 128}", "--model.model_overrides.d_model=128 contradicts checkpoint"
+         " {ckpt}, trained with model_overrides.d_model=64"),
+        ("--model.optimizer.lr", "0.01", "--model.optimizer.lr=0.01 contradicts checkpoint {ckpt}, trained with"
+         " optimizer.lr=0.003"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("ckpt_path", ["file", "last"])
+def test_a_model_flag_that_contradicts_the_checkpoint_is_refused(
+    trained: Path, tmp_path: Path, capsys, flag: str, value: str, line: str, ckpt_path: str
+) -> None:
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    before = ckpt.stat().st_mtime_ns
+    args = [*fast_demo_args(trained, max_steps=3), flag, value]
+    code, _, err = run([*args, "--ckpt_path", str(ckpt) if ckpt_path == "file" else "last"], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"mhar: error: {line.format(ckpt=ckpt)}: a resumed run keeps its model and optimizer, so drop the flag"
+        " (another model or optimizer is a new run, e.g. from converted weights with --model.init_from)"
+    )
+    assert ckpt.stat().st_mtime_ns == before
+
+
+def test_runtime_flags_change_on_resume_and_the_rest_comes_from_the_checkpoint(trained: Path, capsys) -> None:
+    root = trained.parent / "resumed"
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    code, _, err = run(
+        [*fast_demo_args(root, max_steps=2), "--ckpt_path", str(ckpt), "--model.skip_nonfinite", "2"], capsys
+    )
+    assert code == 0, err
+    resumed = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 2 and resumed["hyper_parameters"]["skip_nonfinite"] == 2
+    code, out, err = run(
+        [
+            "validate",
+            "--trainer.default_root_dir",
+            str(root),
+            "--ckpt_path",
+            str(ckpt),
+            "--data.seq_len",
+            "32",
+            "--trainer.limit_val_batches",
+            "1",
+        ],
+        capsys,
+    )
+    assert code == 0, err  # no model flags: the checkpoint's MHAR model is validated

@@ -1,0 +1,85 @@
+"""A sharded checkpoint directory with a planted pickle: torch's own reader runs it, the kit's commands do not."""
+
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import DEMO
+from test_cli import run
+from torch.distributed.checkpoint import FileSystemReader, save
+
+from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint
+
+
+class Payload:
+    """Unpickling this writes `marker`: code a checkpoint must never get to run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def sharded(root: Path, extra: dict | None = None) -> Path:
+    """A one-process sharded checkpoint (torch.distributed.checkpoint) in the layout `mhar consolidate` reads."""
+    out = root / "sharded"
+    state = {"state_dict": torch.nn.Linear(4, 3).state_dict(), **(extra or {})}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save(state, checkpoint_id=out, no_dist=True)
+    torch.save({"global_step": 1}, out / "meta.pt")
+    return out
+
+
+def test_a_plain_sharded_checkpoint_passes(tmp_path: Path) -> None:
+    metadata = check_sharded_checkpoint(sharded(tmp_path, {"extra": {"lr": 0.1, "betas": (0.9, 0.95)}}))
+    assert {"state_dict.weight", "state_dict.bias"} <= set(metadata.state_dict_metadata)
+
+
+def test_a_planted_metadata_pickle_does_not_run(tmp_path: Path, capsys) -> None:
+    directory, marker = sharded(tmp_path), tmp_path / "ran"
+    (directory / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(Exception):
+        FileSystemReader(directory).read_metadata()
+    assert marker.exists(), "torch's reader runs the planted pickle (the attack this guards against)"
+    marker.unlink()
+
+    code, _, err = run(["consolidate", str(directory), str(tmp_path / "out.ckpt")], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"mhar: error: {directory / '.metadata'} names builtins.exec, which checkpoint metadata never does, so it"
+        " was not loaded: the directory was not written by torch.distributed.checkpoint; use a checkpoint you trust"
+    )
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("command", ["consolidate", "fit"])
+def test_a_planted_item_pickle_does_not_run(tmp_path: Path, capsys, command: str) -> None:
+    marker = tmp_path / "ran"
+    directory = sharded(tmp_path, {"extra": Payload(marker)})
+    assert not marker.exists()
+    if command == "consolidate":
+        args = ["consolidate", str(directory), str(tmp_path / "out.ckpt")]
+    else:
+        args = [
+            "fit",
+            "--config",
+            str(DEMO),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--ckpt_path",
+            str(directory),
+        ]
+    code, _, err = run(args, capsys)
+    assert code == 2
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "mhar: error: item 'extra' of the sharded checkpoint is not plain data, so it was not loaded (Weights only"
+        )
+    )
+    assert not marker.exists()
