@@ -60,9 +60,13 @@ class NonFiniteGuard:
 
     def settle(self, wait: bool = True) -> None:
         """Decide the earlier steps whose flags have reached the host (all of them with `wait`)."""
-        while self._pending and (wait or self._pending[0][2].query()):
-            step, host, event = self._pending.pop(0)
-            event.synchronize()
+        while self._pending:
+            step, host, event = self._pending[0]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._pending.pop(0)
             loss_bad, norm_bad, norm = host.tolist()
             self._decide(step, loss_bad > 0, norm_bad > 0, norm)
 

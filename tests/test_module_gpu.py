@@ -67,3 +67,40 @@ def test_compiled_trainer_step_gives_eager_gradients(tmp_path, name) -> None:
         assert error < 3e-2, f"{param}: relative gradient error {error:.3g}"
     assert all(map(torch.isfinite, map(torch.tensor, fast.losses)))
     assert fast.losses[-1] < fast.losses[0]
+
+
+def test_no_host_sync_between_log_steps_and_a_bad_step_is_skipped_on_the_device(tmp_path) -> None:
+    """Between log steps a compiled step never waits for the GPU (CUDA's sync debug mode raises on any wait), and
+    a step with a non-finite loss is skipped by the fused optimizer on the device, then stops the run by name."""
+    from mhar_lightning.errors import TrainingDiverged
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            step = trainer.global_step + 1
+            torch.cuda.set_sync_debug_mode("error" if 2 < step and step % 4 not in (0, 1) else "default")
+            if step == 7:
+                self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+                pl_module.loss = lambda batch: torch.full((), float("nan"), device=batch.device, requires_grad=True)
+
+    torch.manual_seed(0)
+    model = LanguageModel(preset="tiny", residual=RESIDUALS["mhar-block"], vocab_size=256, seq_len=64, compile=True)
+    watch = Watch()
+    trainer = L.Trainer(
+        accelerator="gpu",
+        precision="bf16-mixed",
+        max_steps=12,
+        log_every_n_steps=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[watch],
+    )
+    try:
+        with pytest.raises(TrainingDiverged, match=r"^training diverged at step 7: the loss is not finite"):
+            trainer.fit(model, datamodule=TokenDataModule(tokenizer="byte", seq_len=64, batch_size=8, val_samples=8))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, before in watch.before.items():
+        assert torch.equal(dict(model.named_parameters())[name].detach(), before), name
