@@ -4,6 +4,7 @@ from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
 from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
+from mhar_lightning.callbacks.model_summary import ParameterSummary
 from mhar_lightning.callbacks.progress_bar import StepProgressBar
 from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
@@ -11,6 +12,7 @@ __all__ = [
     "DepthAttentionLogger",
     "FinalStepCheckpoint",
     "HeadDisagreementProbe",
+    "ParameterSummary",
     "PeakMemoryMonitor",
     "StepProgressBar",
     "TokenThroughputMonitor",

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from mhar_lightning.callbacks import FinalStepCheckpoint, StepProgressBar
+from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
 from mhar_lightning.checkpoint_config import runtime_overrides
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
@@ -213,27 +213,29 @@ class MharCLI(LightningCLI):
         return self.run_config.trainer.default_root_dir or os.getcwd()
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """Add the TensorBoard logger, the atomic checkpoint writer and a progress bar that does not stall the GPU
-        every step, unless the config sets its own."""
+        """Add the TensorBoard logger, the atomic checkpoint writer, a progress bar that does not stall the GPU every
+        step and a one-line parameter summary, unless the config sets its own."""
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
         callbacks = trainer_config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        added = []
         if trainer_config.get("enable_progress_bar") is not False and not any(
             isinstance(callback, ProgressBar) for callback in callbacks
         ):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            added.append(StepProgressBar())
+        if trainer_config.get("enable_model_summary") is not False and not any(
+            isinstance(callback, ModelSummary) for callback in callbacks
+        ):
+            added.append(ParameterSummary())
+            kwargs["enable_model_summary"] = False  # Lightning would print its own table as well
+        if added:
+            kwargs["callbacks"] = [*callbacks, *added]
         plugins = trainer_config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        callbacks = trainer_config.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-        if trainer_config.get("enable_progress_bar") is not False and not any(
-            isinstance(callback, ProgressBar) for callback in callbacks
-        ):
-            kwargs["callbacks"] = [*callbacks, StepProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
 

@@ -89,5 +89,5 @@ def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: P
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4 (50%)", "step 4/4 (100%)"]
     assert all("train/loss " in line and "steps/s" in line for line in lines)
     assert "Epoch 0/-2" not in done.stdout
-    for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec"):
+    for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec", "FLOPs"):
         assert noise not in done.stdout + done.stderr, noise
