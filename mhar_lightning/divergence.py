@@ -4,6 +4,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mhar_lightning.errors import CheckpointError, TrainingDiverged
 
@@ -91,9 +92,12 @@ class NonFiniteGuard:
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether `optimizer` skips its step on the device when its `found_inf` flag is set (fused Adam and AdamW)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        group.get("fused") for group in optimizer.param_groups
+    """Whether `optimizer` skips its step on the device when its `found_inf` flag is set: fused Adam and AdamW over
+    plain tensors (FSDP2's sharded parameters are left to the host-side decision)."""
+    return (
+        isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+        and all(group.get("fused") for group in optimizer.param_groups)
+        and not any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
     )
 
 
