@@ -1,6 +1,7 @@
 """The `mhar` command: Lightning CLI subcommands (fit, validate, test) plus the kit's tools (prepare, compare, ...)."""
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -117,7 +118,8 @@ class MharCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
-        checkpoint's model arguments (Lightning's behaviour) except the runtime ones the user set."""
+        checkpoint's model arguments (Lightning's behaviour, without the shape a run records beside them) except the
+        runtime ones the user set."""
         subcommand = self.config.get("subcommand")
         config = self.config.get(str(subcommand))
         if not subcommand or not config.get("ckpt_path"):
@@ -132,7 +134,10 @@ class MharCLI(LightningCLI):
         hparams = read_checkpoint(path).get("hyper_parameters") or {}
         given_model = given_model.as_dict() if given_model is not None else {}
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
-        super()._parse_ckpt_path()
+        arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them
+        model = {name: value for name, value in hparams.items() if name in arguments and name != "self"}
+        if model:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
         for field, value in keep.items():
             self.config[subcommand].model[field] = value
 
