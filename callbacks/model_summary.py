@@ -4,8 +4,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from mhar_lightning.parallel import unsharded_parameter_count
-from mhar_lightning.residual import Residual
+from mhar_lightning.parallel import routing_parameters, unsharded_parameter_count
 
 
 class ParameterSummary(L.Callback):
@@ -20,7 +19,7 @@ class ParameterSummary(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         decoder = getattr(pl_module, "decoder", None) or pl_module
         total = unsharded_parameter_count(decoder)
-        routing = sum(unsharded_parameter_count(m) for m in decoder.modules() if isinstance(m, Residual))
+        routing = routing_parameters(decoder)
         print(
             f"model: {get_human_readable_count(total)} parameters (routing {get_human_readable_count(routing)}), "
             f"{total * 4 / 2**20:,.1f} MiB in fp32",

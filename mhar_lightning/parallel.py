@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
+from mhar_lightning.residual import Residual
 
 
 class ActivationCheckpointing(StrEnum):
@@ -194,6 +195,11 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def unsharded_parameter_count(decoder: nn.Module) -> int:
     """Parameters of the whole model (global shapes, shared weights once), sharded or not."""
     return sum(p.numel() for p in {id(p): p for p in decoder.parameters()}.values())
+
+
+def routing_parameters(decoder: nn.Module) -> int:
+    """Parameters of `decoder`'s residual routers (queries, key gains, gates, stream weights), sharded or not."""
+    return sum(unsharded_parameter_count(m) for m in decoder.modules() if isinstance(m, Residual))
 
 
 def routing_parameter_count(config: ModelConfig, residual) -> int:

@@ -14,9 +14,9 @@ from mhar_lightning.compare import STRATEGIES
 from mhar_lightning.compare import main as compare
 from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.parallel import routing_parameters
 from mhar_lightning.study.continuation import convert_checkpoint
 from mhar_lightning.study.grid import run_dir
-from mhar_lightning.study.results import routing_params
 
 FAST = [
     "--trainer.max_steps", "6",
@@ -144,7 +144,7 @@ def test_converted_checkpoint_computes_what_the_run_computed(study: Path, tmp_pa
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(converted(tokens), trained(tokens))
-    assert (routing_params(converted) > 0) == (target == "delta-mhar")
+    assert (routing_parameters(converted) > 0) == (target == "delta-mhar")
 
 
 def test_continued_runs_start_from_the_converted_source(study: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.consolidate import META_FILE
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, load_decoder
@@ -51,7 +52,7 @@ def load_model(
     elif path.is_dir() and (path / META_FILE).is_file():
         raise ValueError(f"{path} is a sharded checkpoint: merge it first with `mhar consolidate {path} model.ckpt`")
     elif path.is_file():
-        raw = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        raw = read_checkpoint(path)  # a damaged file is one line naming the fix
         hparams = raw.get("hyper_parameters") or {}
         model, init_from = run_decoder(path, raw), hparams.get("init_from")
         recorded = (raw.get("datamodule_hyper_parameters") or {}).get("tokenizer")

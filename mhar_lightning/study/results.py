@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
+from mhar_lightning.parallel import routing_parameters
 from mhar_lightning.probe import DepthMaps
-from mhar_lightning.residual import Residual
 from mhar_lightning.study.grid import RESULT_FILE
 
 VAL_LOSS, TRAIN_LOSS = "val/loss", "train/loss"
@@ -86,17 +86,12 @@ def read_scalars(root: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def routing_params(decoder: torch.nn.Module) -> int:
-    """Parameters of the residual strategy's modules (the routing queries, norms, gates)."""
-    return sum(p.numel() for m in decoder.modules() if isinstance(m, Residual) for p in m.parameters())
-
-
 def model_size(hparams: dict[str, Any]) -> tuple[int, int]:
     """(all parameters, routing parameters) of the model `hparams` (LanguageModel arguments) builds, on meta."""
     model = LanguageModel(**{k: v for k, v in hparams.items() if k in MODEL_ARGS})
     with torch.device("meta"):
         decoder = Decoder(model.model_config, model.residual)
-    return sum(p.numel() for p in decoder.parameters()), routing_params(decoder)
+    return sum(p.numel() for p in decoder.parameters()), routing_parameters(decoder)
 
 
 def tokens_per_step(config: dict[str, Any], world_size: int) -> int:
