@@ -306,12 +306,11 @@ def launch(specs: list[dict], parallel: int, tmp: Path) -> list[dict]:
             if process.wait():
                 failed.append(spec["recipe"])
                 (Path(spec["turns"]) / f"{spec['index']}.gone").touch()
+            elif Path(spec["out"]).exists():
+                print(Path(spec["out"]).read_text(), flush=True)  # each row as it is measured
     if failed:
         print(f"failed: {failed}", file=sys.stderr, flush=True)
-    rows = [json.loads(Path(s["out"]).read_text()) for s in specs if Path(s["out"]).exists()]
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    return rows
+    return [json.loads(Path(s["out"]).read_text()) for s in specs if Path(s["out"]).exists()]
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ RESIDUALS = {
     "sum": "sum",
     "mhar-block": {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 2}},
     "delta-mhar": {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 2}},
+    "hyper-connections": {"class_path": "mhar_lightning.residual.HyperConnections", "init_args": {"rate": 4}},
 }
 
 
@@ -80,7 +81,8 @@ def test_no_host_sync_between_log_steps_and_a_bad_step_is_skipped_on_the_device(
             torch.cuda.set_sync_debug_mode("error" if 2 < step and step % 4 not in (0, 1) else "default")
             if step == 7:
                 self.before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
-                pl_module.loss = lambda batch: torch.full((), float("nan"), device=batch.device, requires_grad=True)
+                loss = pl_module.loss  # a NaN that reaches every gradient, as a diverging step's does
+                pl_module.loss = lambda batch: loss(batch) * float("nan")
 
     torch.manual_seed(0)
     model = LanguageModel(preset="tiny", residual=RESIDUALS["mhar-block"], vocab_size=256, seq_len=64, compile=True)

@@ -92,9 +92,12 @@ class HyperConnections(Residual):
     def read(self, stream: Stream, l: int) -> Tensor:
         streams = stream[: self.rate]
         if l == self.n_sublayers:
+            # A tensor of weights, not `/ rate`: compiled autograd (torch 2.11, CUDA) fails on a Python int saved by
+            # this eager op outside the compiled blocks.
+            mean = torch.full((self.rate,), 1 / self.rate, device=streams[0].device, dtype=streams[0].dtype)
             if self.capture is not None:
-                self.record(l, torch.full((1, self.rate), 1 / self.rate))
-            return sum(streams[1:], streams[0]) / self.rate
+                self.record(l, mean[None].cpu())
+            return weighted_sum(mean, streams)
         read, mix, write = stream[self.rate :]
         if self.capture is not None:
             self.record_site(l, read, mix, write)
