@@ -7,6 +7,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from mhar_lightning.study import plots, report
 from mhar_lightning.study.continuation import convert_checkpoint
-from mhar_lightning.study.grid import LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
+from mhar_lightning.study.grid import CHILDREN, LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
 from mhar_lightning.study.results import RunResult, initial_val_loss, read_run
 
 STRATEGIES: dict[str, dict[str, Any] | str] = {
@@ -42,7 +43,7 @@ TINY_OVERRIDES = [
 STUDY_FILE = "study.json"
 """The variants of a study, baseline first, for `--report-only DIR`."""
 OWN_FLAGS = {"--recipe", "--seeds", "--out", "--baseline", "--only", "--max-runs", "--time-budget", "--report-only",
-             "--continue-from"}  # fmt: skip
+             "--continue-from", "--jobs"}  # fmt: skip
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -87,6 +88,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="start no run that would end past this many seconds, judged by the longest run so far",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at the same time, sharing the machine (e.g. several small models on one GPU)",
+    )
+    parser.add_argument(
         "--report-only",
         nargs="?",
         const="",
@@ -106,6 +113,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not args.variants and args.report_only is None:
         args.variants = list(STRATEGIES)
         overrides = [*TINY_OVERRIDES, *overrides]
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: train at least one run at a time")
     if not args.recipe.is_file():
         parser.error(f"recipe {args.recipe} does not exist: pass --recipe <file>")
     return args, overrides
@@ -146,8 +155,17 @@ def prepare_continuation(run: Run, source: Path) -> None:
         mhar([*args, "--trainer.enable_progress_bar", "false"], run.dir / LOG_FILE)
 
 
+def train_run(run: Run, continue_from: Path | None) -> None:
+    """Train one run to its end (resuming it if it has a `last.ckpt`) and record its result."""
+    run.check_arguments()
+    if run.init_from is not None:
+        prepare_continuation(run, continue_from)
+    mhar(run.fit_args(), run.dir / LOG_FILE)
+    read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
+
+
 def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
-    """Train the unfinished runs within the run-count and time limits."""
+    """Train the unfinished runs, `args.jobs` at a time, within the run-count and time limits."""
     for run in runs:
         if run.dir.is_dir():
             run.check_arguments()
@@ -163,24 +181,41 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     ]
-    with Progress(*columns, console=console) as progress:
+    running: dict[Future, tuple[Run, float, str]] = {}
+    with (
+        Progress(*columns, console=console) as progress,
+        CHILDREN.on_sigterm(),
+        ThreadPoolExecutor(args.jobs) as pool,
+    ):
         task = progress.add_task("study", total=len(todo))
-        for run in todo:
-            elapsed = time.monotonic() - start
-            if args.time_budget is not None and elapsed + longest > args.time_budget:
-                console.print(f"time budget: stopping after {elapsed:.0f} s (the longest run took {longest:.0f} s)")
-                break
-            resumed = " (resuming)" if run.last_checkpoint.is_file() else ""
-            progress.update(task, description=f"{run.variant.name} seed {run.seed}{resumed}")
-            began = time.monotonic()
-            run.check_arguments()
-            if run.init_from is not None:
-                prepare_continuation(run, args.continue_from)
-            mhar(run.fit_args(), run.dir / LOG_FILE)
-            read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
-            longest = max(longest, time.monotonic() - began)
-            progress.advance(task)
-            console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
+        try:
+            while todo or running:
+                while todo and len(running) < args.jobs:
+                    elapsed = time.monotonic() - start
+                    if args.time_budget is not None and elapsed + longest > args.time_budget:
+                        console.print(
+                            f"time budget: stopping after {elapsed:.0f} s (the longest run took {longest:.0f} s)"
+                        )
+                        todo = []
+                        break
+                    run = todo.pop(0)
+                    label = f"{run.variant.name} seed {run.seed}" + (
+                        " (resuming)" if run.last_checkpoint.is_file() else ""
+                    )
+                    running[pool.submit(train_run, run, args.continue_from)] = (run, time.monotonic(), label)
+                progress.update(task, description=", ".join(label for _, _, label in running.values()))
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    run, began, _ = running.pop(future)
+                    future.result()
+                    longest = max(longest, time.monotonic() - began)
+                    progress.advance(task)
+                    console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
+        except BaseException:
+            CHILDREN.kill_all()  # the other runs resume from their last.ckpt on the next call
+            raise
 
 
 def collect(runs: list[Run], reread: bool) -> list[RunResult]:

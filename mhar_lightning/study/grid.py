@@ -1,14 +1,16 @@
 """The study grid: variants (recipes or residual strategies) x seeds, each run a real `mhar fit` in its own folder."""
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -131,23 +133,61 @@ def run_dir(study: Path, variant: str, seed: int) -> Path:
     return study / "runs" / variant / f"seed{seed}"
 
 
+class Children:
+    """The `mhar` processes a study is running, so that a SIGTERM to the runner (a job's time limit) ends them too.
+
+    Inside `Children.on_sigterm()` the signal kills every child, then leaves the runner by `SystemExit`; the interrupted
+    runs resume from their `last.ckpt` on the next call.
+    """
+
+    def __init__(self) -> None:
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def run(self, cmd: list[str], out: IO[str]) -> int:
+        """Run `cmd` to its end (killing it if this thread is interrupted) and return its exit status."""
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with self._lock:
+            self._running.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.discard(process)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    def kill_all(self) -> None:
+        with self._lock:
+            for process in self._running:
+                process.kill()
+
+    @contextlib.contextmanager
+    def on_sigterm(self) -> Iterator[None]:
+        """Within: SIGTERM kills the children and raises `SystemExit` in the main thread (call it from there)."""
+
+        def stop(signum: int, frame: object) -> None:
+            self.kill_all()
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+CHILDREN = Children()
+
+
 def mhar(args: list[str], log: Path) -> None:
     """`mhar ARGS` in a fresh Python process, its output appended to `log`; on failure raise with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    # SIGTERM (a job's time limit) becomes SystemExit, on which subprocess.run kills the run instead of orphaning it
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        with log.open("a") as out:
-            out.write(f"$ mhar {' '.join(args)}\n")
-            out.flush()
-            cmd = [sys.executable, "-m", "mhar_lightning.cli", *args]
-            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if done.returncode != 0:
+    with log.open("a") as out:
+        out.write(f"$ mhar {' '.join(args)}\n")
+        out.flush()
+        returncode = CHILDREN.run([sys.executable, "-m", "mhar_lightning.cli", *args], out)
+    if returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise RuntimeError(f"`mhar {args[0]}` failed (exit {done.returncode}); the end of {log}:\n{tail}")
-
-
-def terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+        raise RuntimeError(f"`mhar {args[0]}` failed (exit {returncode}); the end of {log}:\n{tail}")
