@@ -1,9 +1,19 @@
-"""Depth-routing kernels: one dispatch point in front of the reference and fused implementations.
+"""Depth routing: one dispatch point in front of the pure-PyTorch reference and the fused Triton kernels.
 
-`backend="auto"` picks the fused Triton op for CUDA tensors and the pure-PyTorch reference
-otherwise; the environment variable `MHAR_ROUTE_BACKEND` (`triton` or `reference`) overrides
-`auto`, and an explicit `backend=` argument overrides both. The Triton path runs on CPU tensors
-only under `TRITON_INTERPRET=1` (the test setup).
+What a routing call computes, per token (DESIGN.md's notation): sources v_0 .. v_{S-1} ([..., d] each), a
+pseudo-query w and a key RMSNorm gain g ([d] each) folded into u = w * g, split into H heads of d / H:
+
+    r_n     = (mean_d(v_n^2) + eps)^(-1/2)           one RMS over the full width, in fp32
+    z_{n,h} = r_n <u[h], v_n[h]>                     logits, no 1/sqrt(d) scale
+    out[h]  = sum_n softmax_n(z_{.,h}) v_n[h]        each head mixes its own slice of the raw sources
+    lse_h   = logsumexp_n z_{n,h}
+
+[Q, d] queries route Q queries over the same sources, query k reading the first counts[k]. One more source joins a
+finished route exactly through its log-sum-exp (`merge_source`): out' = out + sigmoid(z_new - lse) (v_new - out).
+
+`backend="auto"` picks the fused Triton op for CUDA tensors and the reference otherwise; the environment variable
+`MHAR_ROUTE_BACKEND` (`triton` or `reference`) overrides `auto`, and an explicit `backend=` argument overrides both.
+The Triton path runs on CPU tensors only under `TRITON_INTERPRET=1` (the test setup).
 """
 
 import importlib.util

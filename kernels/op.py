@@ -21,8 +21,8 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from mhar_lightning.kernels import triton_merge, triton_route
-from mhar_lightning.kernels.reference import check_counts, check_heads
+from mhar_lightning.kernels import route_launch, triton_merge
+from mhar_lightning.kernels.query import check_counts, check_heads
 from torch import Tensor
 
 _LIB = torch.library.Library("mhar", "DEF")
@@ -42,12 +42,12 @@ def _route(
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Q mixes [..., d] (bf16 if all sources are bf16, else fp32), log-sum-exps [Q, ..., heads] and the sources'
     inverse RMS [rows, S] (fp32, for the backward); query k reads the first counts[k] sources."""
-    return triton_route.route_forward(sources, u, heads, eps, counts)
+    return route_launch.route_forward(sources, u, heads, eps, counts)
 
 
 def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
-    out = [sources[0].new_empty((*lead, u.shape[-1]), dtype=triton_route.out_dtype(sources)) for _ in range(n_queries)]
+    out = [sources[0].new_empty((*lead, u.shape[-1]), dtype=route_launch.out_dtype(sources)) for _ in range(n_queries)]
     lse = sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
     return out, lse, sources[0].new_empty((lead.numel(), len(sources)), dtype=torch.float32)
 
@@ -63,14 +63,14 @@ def _route_backward(
     counts: list[int],
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
-    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
+    grads, du_parts = route_launch.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
 def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
     rows = sources[0].shape[:-1].numel()
-    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
+    du_parts = u.new_empty((route_launch.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
@@ -165,8 +165,8 @@ def depth_route_lse(
     counts = check_counts(counts, len(u), len(sources))
     dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
     mixes, lses = [], []
-    for first in range(0, len(u), triton_route.MAX_QUERIES):
-        chunk = counts[first : first + triton_route.MAX_QUERIES]
+    for first in range(0, len(u), route_launch.MAX_QUERIES):
+        chunk = counts[first : first + route_launch.MAX_QUERIES]
         *out, lse = _Route.apply(u[first : first + len(chunk)], heads, eps, chunk, *sources[: max(chunk)])
         mixes += [mix.to(dtype) for mix in out]
         lses += lse.unbind(0)

@@ -7,7 +7,8 @@ from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.kernels import depth_route, depth_route_lse, merge_norm, merge_source
-from mhar_lightning.kernels.reference import check_heads, depth_weights
+from mhar_lightning.kernels.query import check_heads
+from mhar_lightning.kernels.reference import depth_weights
 from mhar_lightning.norm import RMSNorm
 from mhar_lightning.residual.base import Residual, Stream, register_residual, sublayer_label
 
