@@ -14,7 +14,7 @@ import os
 import time
 
 import torch
-from mhar_lightning.kernels import depth_route, depth_route_lse, op, triton_route
+from mhar_lightning.kernels import depth_route, depth_route_lse, op, route_launch, rows
 
 S, D, HEADS, TOKENS = 5, 1024, 8, 8
 
@@ -44,14 +44,14 @@ def stub_kernels() -> None:
 
     def forward(sources, u, heads, eps, counts=(), out=None, lse=None, rms=None):
         lead = sources[0].shape[:-1]
-        out = [torch.empty(*lead, u.shape[-1], dtype=triton_route.out_dtype(sources)) for _ in range(u.shape[0])]
+        out = [torch.empty(*lead, u.shape[-1], dtype=route_launch.out_dtype(sources)) for _ in range(u.shape[0])]
         return out, torch.empty(u.shape[0], *lead, heads), torch.empty(lead.numel(), len(sources))
 
     def backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts=(), grads=None):
-        du = torch.empty(triton_route.du_blocks(sources[0].shape[:-1].numel(), len(sources)), *u.shape)
+        du = torch.empty(route_launch.du_blocks(sources[0].shape[:-1].numel(), len(sources)), *u.shape)
         return [torch.empty_like(v) for v in sources], du
 
-    triton_route.route_forward, triton_route.route_backward = forward, backward
+    route_launch.route_forward, route_launch.route_backward = forward, backward
 
 
 def time_shared_call(device: str) -> None:
@@ -82,21 +82,21 @@ def main() -> None:
     w = torch.ones(D, device="cuda", requires_grad=True)
     u, go = (q * w).detach()[None], torch.randn(1, TOKENS, D, device="cuda")
     lead = src[0].shape[:-1]
-    out, lse, rms = triton_route.route_forward(src, u, HEADS, 1e-6)
-    table, _, aligned, k0, kr = triton_route._table(src, lead)
-    bh, bdh, warps = triton_route.kernel_launch("forward", D, HEADS)
+    out, lse, rms = route_launch.route_forward(src, u, HEADS, 1e-6)
+    table, _, aligned, k0, kr = rows.pointer_table(src, lead)
+    bh, bdh, warps = route_launch.kernel_launch("forward", D, HEADS)
 
     args = (table, S, S, S, u, out[0], out[0], lse, rms, TOKENS, TOKENS, D, HEADS, D // HEADS, 1e-6)
-    constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, LAZY=triton_route.lazy_rescale(warps))
+    constexprs = dict(BH=bh, BDH=bdh, K0=k0, KR=kr, ALIGN=aligned, Q=1, LAZY=route_launch.lazy_rescale(warps))
 
     def bare_launch():
-        triton_route._forward_kernel[(TOKENS,)](*args, **constexprs, num_warps=warps)
+        route_launch._forward_kernel[(TOKENS,)](*args, **constexprs, num_warps=warps)
 
     timeit("torch.empty", lambda: torch.empty(TOKENS, D, device="cuda"))
-    timeit("_table (cached)", lambda: triton_route._table(src, lead))
+    timeit("pointer_table (cached)", lambda: rows.pointer_table(src, lead))
     timeit("bare _forward_kernel launch", bare_launch)
-    timeit("route_forward (launcher)", lambda: triton_route.route_forward(src, u, HEADS, 1e-6))
-    timeit("route_backward (launcher)", lambda: triton_route.route_backward([go], None, lse, rms, src, u, HEADS))
+    timeit("route_forward (launcher)", lambda: route_launch.route_forward(src, u, HEADS, 1e-6))
+    timeit("route_backward (launcher)", lambda: route_launch.route_backward([go], None, lse, rms, src, u, HEADS))
     timeit("op.route (library op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
     timeit("op.route_backward (library op)", lambda: op.route_backward([go], None, lse, rms, src, u, HEADS, [S]))
     leaves = [*src, q, w]

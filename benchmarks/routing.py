@@ -9,7 +9,7 @@ the backward launcher alone (its two kernels and host work); `f+b ms` goes throu
     python benchmarks/routing.py [--tokens 16384] [--out results.json]
     python benchmarks/routing.py --apply-rows 32 --elems 8,16,32   # device time per kernel and launch shape
     python benchmarks/routing.py --merge-norm   # a merged read and its pre-norm, with the fused backward and without
-    python benchmarks/routing.py --compare old/triton_route.py   # the installed kernels against other versions
+    python benchmarks/routing.py --compare old/triton_route.py   # the installed kernels against a one-file version
     python benchmarks/routing.py --merge-rows 8,16,32   # the merged read's backward kernel per rows a program
 """
 
@@ -21,7 +21,7 @@ import json
 
 import torch
 import triton
-from mhar_lightning.kernels import depth_route, merge_norm, reference, triton_merge, triton_route
+from mhar_lightning.kernels import depth_route, merge_norm, reference, route_launch, triton_merge
 from triton.testing import do_bench
 
 
@@ -44,7 +44,7 @@ def make(tokens: int, d: int, S: int, mixed: bool):
 
 def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compiled_ref) -> dict:
     sources, query, gain = make(tokens, d, S, mixed)
-    out_dt = triton_route.out_dtype(sources)
+    out_dt = route_launch.out_dtype(sources)
     src_bytes = sum(v.numel() * v.element_size() for v in sources)
     out_bytes = tokens * d * torch.finfo(out_dt).bits // 8
     fwd_bytes = src_bytes + out_bytes
@@ -57,10 +57,10 @@ def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compi
         return lambda: torch.autograd.grad(fn(sources, query, gain, heads), leaves, go)
 
     row = {"tokens": tokens, "d": d, "S": S, "heads": heads, "mixed": mixed}
-    row["fwd_ms"] = do_bench(lambda: triton_route.route_forward(sources, u, heads, 1e-6), return_mode="median")
-    _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
+    row["fwd_ms"] = do_bench(lambda: route_launch.route_forward(sources, u, heads, 1e-6), return_mode="median")
+    _, lse, rms = route_launch.route_forward(sources, u, heads, 1e-6)
     row["bwd_ms"] = do_bench(
-        lambda: triton_route.route_backward([go], None, lse, rms, sources, u, heads), return_mode="median"
+        lambda: route_launch.route_backward([go], None, lse, rms, sources, u, heads), return_mode="median"
     )
     row["fwdbwd_ms"] = do_bench(fwd_bwd(lambda *a: depth_route(*a, backend="triton")), return_mode="median")
     row["ref_eager_fwdbwd_ms"] = do_bench(fwd_bwd(reference.depth_route), return_mode="median")
@@ -109,45 +109,47 @@ def kernel_floors(tokens: int, d: int, S: int, queries: int, bw: float) -> dict[
 
 
 def sweep_kernel_shapes(apply_rows: str, elems: str, bw: float) -> None:
-    """Device time of each kernel, and its fraction of the byte floor, per `triton_route.APPLY_ROWS` and per
-    row-tile elements per thread (`triton_route.ROW_ELEMS_PER_THREAD`, which then alone sets the warps of every
+    """Device time of each kernel, and its fraction of the byte floor, per `route_launch.APPLY_ROWS` and per
+    row-tile elements per thread (`route_launch.ROW_ELEMS_PER_THREAD`, which then alone sets the warps of every
     kernel: no minimum, no one-warp tile), at MODEL_SHAPES."""
-    defaults = triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD, dict(triton_route.MIN_WARPS)
-    one_warp = dict(triton_route.ONE_WARP_TILE)
-    triton_route.MIN_WARPS.update(forward=1, stats=1, apply=1)
-    triton_route.ONE_WARP_TILE.update(forward=0, stats=0, apply=0)
+    defaults = route_launch.APPLY_ROWS, route_launch.ROW_ELEMS_PER_THREAD, dict(route_launch.MIN_WARPS)
+    one_warp = dict(route_launch.ONE_WARP_TILE)
+    route_launch.MIN_WARPS.update(forward=1, stats=1, apply=1)
+    route_launch.ONE_WARP_TILE.update(forward=0, stats=0, apply=0)
     for label, tokens, d, S, queries in MODEL_SHAPES:
         sources = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(S)]
         u = 0.1 * torch.randn(queries, d, device="cuda")
         go = [torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16) for _ in range(queries)]
         counts = (S, S - 1)[:queries]
-        _, lse, rms = triton_route.route_forward(sources, u, 8, 1e-6, counts)
+        _, lse, rms = route_launch.route_forward(sources, u, 8, 1e-6, counts)
         floors = kernel_floors(tokens, d, S, queries, bw)
         for rows, e in itertools.product(map(int, apply_rows.split(",")), map(int, elems.split(","))):
-            triton_route.APPLY_ROWS = rows
-            triton_route.ROW_ELEMS_PER_THREAD = e
-            times = kernel_times(lambda: triton_route.route_forward(sources, u, 8, 1e-6, counts))
-            times |= kernel_times(lambda: triton_route.route_backward(go, None, lse, rms, sources, u, 8, counts))
+            route_launch.APPLY_ROWS = rows
+            route_launch.ROW_ELEMS_PER_THREAD = e
+            times = kernel_times(lambda: route_launch.route_forward(sources, u, 8, 1e-6, counts))
+            times |= kernel_times(lambda: route_launch.route_backward(go, None, lse, rms, sources, u, 8, counts))
             kernels = "  ".join(f"{k} {v:.3f} ({floors[k] / v:.2f})" for k, v in times.items() if k in floors)
             print(f"{label} (d={d} S={S} Q={queries}) apply rows {rows} elems/thread {e}: {kernels}", flush=True)
-    triton_route.APPLY_ROWS, triton_route.ROW_ELEMS_PER_THREAD = defaults[:2]
-    triton_route.MIN_WARPS.update(defaults[2])
-    triton_route.ONE_WARP_TILE.update(one_warp)
+    route_launch.APPLY_ROWS, route_launch.ROW_ELEMS_PER_THREAD = defaults[:2]
+    route_launch.MIN_WARPS.update(defaults[2])
+    route_launch.ONE_WARP_TILE.update(one_warp)
 
 
 def load_kernels(path: str):
-    """A version of `triton_route.py` loaded from `path` as a module of its own, so its kernels compile apart."""
-    spec = importlib.util.spec_from_file_location(f"triton_route_{abs(hash(path))}", path)
+    """Another version of the launchers (`route_forward`, `route_backward`) and kernels in one file, such as the
+    `kernels/triton_route.py` of versions before the kernels were split into modules, loaded from `path` as a module
+    of its own, so its kernels compile apart."""
+    spec = importlib.util.spec_from_file_location(f"kernels_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def compare_kernels(paths: list[str], bw: float) -> None:
-    """Device time of each kernel of the installed `triton_route` and of the versions at `paths`, at MODEL_SHAPES and
+    """Device time of each kernel of the installed `route_launch` and of the versions at `paths`, at MODEL_SHAPES and
     in one process (an A/B that neither the host nor another machine can tilt), with the fraction of its byte floor
     and the largest difference of every output and gradient from the installed version's, relative to its maximum."""
-    versions = {"installed": triton_route} | {path: load_kernels(path) for path in paths}
+    versions = {"installed": route_launch} | {path: load_kernels(path) for path in paths}
     for label, tokens, d, S, queries in MODEL_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         sources = [torch.randn(tokens, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(S)]
@@ -237,7 +239,7 @@ def main() -> None:
     parser.add_argument("--apply-rows", default=None, help="only time each kernel per launch shape, e.g. 16,32,64")
     parser.add_argument("--elems", default="8,16,32", help="row-tile elements per thread to sweep with --apply-rows")
     parser.add_argument("--merge-norm", action="store_true", help="only time a merged read and its pre-norm")
-    parser.add_argument("--compare", default=None, help="only time the kernels against these triton_route.py files")
+    parser.add_argument("--compare", default=None, help="only time the kernels against these one-file versions")
     parser.add_argument("--merge-rows", default=None, help="only time the merge backward per rows a program, e.g. 8,16")
     args = parser.parse_args()
     bw = copy_bandwidth()

@@ -1,9 +1,19 @@
-"""Depth-routing kernels: one dispatch point in front of the reference and fused implementations.
+"""Depth routing: one dispatch point in front of the pure-PyTorch reference and the fused Triton kernels.
 
-`backend="auto"` picks the fused Triton op for CUDA tensors and the pure-PyTorch reference
-otherwise; the environment variable `MHAR_ROUTE_BACKEND` (`triton` or `reference`) overrides
-`auto`, and an explicit `backend=` argument overrides both. The Triton path runs on CPU tensors
-only under `TRITON_INTERPRET=1` (the test setup).
+What a routing call computes, per token (DESIGN.md's notation): sources v_0 .. v_{S-1} ([..., d] each), a
+pseudo-query w and a key RMSNorm gain g ([d] each, a `RouteQuery`) folded into u = w * g, H heads of d / H:
+
+    r_n     = (mean_d(v_n^2) + eps)^(-1/2)           one RMS over the full width, in fp32
+    z_{n,h} = r_n <u[h], v_n[h]>                     logits, no 1/sqrt(d) scale
+    out[h]  = sum_n softmax_n(z_{.,h}) v_n[h]        each head mixes its own slice of the raw sources
+    lse_h   = logsumexp_n z_{n,h}
+
+[Q, d] queries route Q queries over the same sources, query k reading the first counts[k]. One more source joins a
+finished route exactly through its log-sum-exp (`merge_source`): out' = out + sigmoid(z_new - lse) (v_new - out).
+
+`backend="auto"` picks the fused Triton op for CUDA tensors and the reference otherwise; the environment variable
+`MHAR_ROUTE_BACKEND` (`triton` or `reference`) overrides `auto`, and an explicit `backend=` argument overrides both.
+The Triton path runs on CPU tensors only under `TRITON_INTERPRET=1` (the test setup).
 """
 
 import importlib.util
@@ -12,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 from mhar_lightning.kernels import reference
+from mhar_lightning.kernels.query import KEY_NORM_EPS, RouteQuery
 from torch import Tensor
 
 BACKENDS = ("auto", "triton", "reference")
@@ -38,32 +49,42 @@ def resolve_backend(backend: str, sources: Sequence[Tensor]) -> str:
 
 
 def depth_route(
-    sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6, backend: str = "auto"
+    sources: Sequence[Tensor],
+    query: Tensor | RouteQuery,
+    norm_weight: Tensor | None = None,
+    heads: int | None = None,
+    eps: float | None = None,
+    backend: str = "auto",
 ) -> Tensor:
-    """Route over depth (see `reference.depth_route` for the math) on the chosen backend."""
+    """The mix `out` of `sources` ([..., d] each) on the chosen backend: [..., d], or [Q, ..., d] for [Q, d] queries.
+
+    The queries are a `RouteQuery`, or `query, norm_weight, heads[, eps]` to make one (as for every function here).
+    """
+    route = RouteQuery.of(query, norm_weight, heads, eps)
     if resolve_backend(backend, sources) == "reference":
-        return reference.depth_route(sources, query, norm_weight, heads, eps)
+        return reference.depth_route(sources, route)
     from mhar_lightning.kernels import op
 
-    return op.depth_route(sources, query, norm_weight, heads, eps)
+    return op.depth_route(sources, route)
 
 
 def depth_route_lse(
     sources: Sequence[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
+    query: Tensor | RouteQuery,
+    norm_weight: Tensor | None = None,
+    heads: int | None = None,
+    eps: float | None = None,
     counts: Sequence[int] | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source. A [Q, d] query gives a
+    """`depth_route` and its per-head log-sum-exp, for `merge_source` to add a later source. [Q, d] queries give a
     tuple of Q mixes and one of Q log-sum-exps, query k reading the first counts[k] sources (default: all)."""
+    route = RouteQuery.of(query, norm_weight, heads, eps)
     if resolve_backend(backend, sources) == "reference":
-        return reference.depth_route_lse(sources, query, norm_weight, heads, eps, counts)
+        return reference.depth_route_lse(sources, route, counts=counts)
     from mhar_lightning.kernels import op
 
-    return op.depth_route_lse(sources, query, norm_weight, heads, eps, counts)
+    return op.depth_route_lse(sources, route, counts)
 
 
 merge_source = reference.merge_source
@@ -73,32 +94,37 @@ def merge_norm(
     mix: Tensor,
     lse: Tensor,
     source: Tensor,
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    weight: Tensor,
-    eps: float = 1e-6,
+    query: Tensor | RouteQuery,
+    norm_weight: Tensor | None = None,
+    heads: int | None = None,
+    weight: Tensor | None = None,
+    eps: float | None = None,
     norm_eps: float = 1e-5,
     backend: str = "auto",
 ) -> Tensor:
-    """`merge_source` followed by the RMSNorm of gain `weight` (see `reference.merge_norm`), differentiated by one
-    fused kernel on the Triton backend. The output comes in the dtype the sublayer's matmuls take: the autocast dtype
-    while autocast is on, else what `weight * merged` promotes to."""
+    """`merge_source` followed by the RMSNorm of gain `weight` (required) and `norm_eps` (see
+    `reference.merge_norm`), differentiated by one fused kernel on the Triton backend. The output comes in the dtype
+    the sublayer's matmuls take: the autocast dtype while autocast is on, else what `weight * merged` promotes to."""
+    route = RouteQuery.of(query, norm_weight, heads, eps)
+    if weight is None:
+        raise TypeError("merge_norm needs the norm's gain: weight=")
     device = mix.device.type
     if torch.is_autocast_enabled(device):
         out_dtype = torch.get_autocast_dtype(device)
     else:
         out_dtype = torch.promote_types(weight.dtype, torch.promote_types(mix.dtype, source.dtype))
     if resolve_backend(backend, [mix]) == "reference":
-        return reference.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)
+        return reference.merge_norm(mix, lse, source, route, weight, norm_eps, out_dtype)
     from mhar_lightning.kernels import op
 
-    return op.merge_norm(mix, lse, source, query, norm_weight, heads, weight, eps, norm_eps, out_dtype)
+    return op.merge_norm(mix, lse, source, route, weight, norm_eps, out_dtype)
 
 
 __all__ = [
     "BACKENDS",
     "ENV_BACKEND",
+    "KEY_NORM_EPS",
+    "RouteQuery",
     "depth_route",
     "depth_route_lse",
     "merge_norm",

@@ -21,8 +21,8 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from mhar_lightning.kernels import triton_merge, triton_route
-from mhar_lightning.kernels.reference import check_counts, check_heads
+from mhar_lightning.kernels import route_launch, triton_merge
+from mhar_lightning.kernels.query import RouteQuery, check_counts
 from torch import Tensor
 
 _LIB = torch.library.Library("mhar", "DEF")
@@ -42,12 +42,12 @@ def _route(
 ) -> tuple[list[Tensor], Tensor, Tensor]:
     """Q mixes [..., d] (bf16 if all sources are bf16, else fp32), log-sum-exps [Q, ..., heads] and the sources'
     inverse RMS [rows, S] (fp32, for the backward); query k reads the first counts[k] sources."""
-    return triton_route.route_forward(sources, u, heads, eps, counts)
+    return route_launch.route_forward(sources, u, heads, eps, counts)
 
 
 def _route_fake(sources, u, heads, eps, counts):
     lead, n_queries = sources[0].shape[:-1], u.shape[0]
-    out = [sources[0].new_empty((*lead, u.shape[-1]), dtype=triton_route.out_dtype(sources)) for _ in range(n_queries)]
+    out = [sources[0].new_empty((*lead, u.shape[-1]), dtype=route_launch.out_dtype(sources)) for _ in range(n_queries)]
     lse = sources[0].new_empty((n_queries, *lead, heads), dtype=torch.float32)
     return out, lse, sources[0].new_empty((lead.numel(), len(sources)), dtype=torch.float32)
 
@@ -63,14 +63,14 @@ def _route_backward(
     counts: list[int],
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
-    grads, du_parts = triton_route.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
+    grads, du_parts = route_launch.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
 def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
     rows = sources[0].shape[:-1].numel()
-    du_parts = u.new_empty((triton_route.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
+    du_parts = u.new_empty((route_launch.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
@@ -135,72 +135,56 @@ class _MergeNorm(torch.autograd.Function):
 
 
 def depth_route_lse(
-    sources: Sequence[Tensor],
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    eps: float = 1e-6,
-    counts: Sequence[int] | None = None,
+    sources: Sequence[Tensor], route: RouteQuery, counts: Sequence[int] | None = None
 ) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The fused route with the reference's contract (shapes, checks, promoted output dtype), and the per-head
     log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
 
-    `query` and `norm_weight` are [d] (outputs [..., d] and [..., heads]) or [Q, d] for Q queries over the
-    same sources (outputs: Q mixes and Q log-sum-exps, each a tensor of its own, so each consumer's gradient reaches
-    the backward kernels without a concatenation), two per pass over the sources; `counts` then gives the number of
-    leading sources each query reads (default: all).
+    A [d] query gives outputs [..., d] and [..., heads]; [Q, d] queries over the same sources give Q mixes and Q
+    log-sum-exps, each a tensor of its own, so each consumer's gradient reaches the backward kernels without a
+    concatenation, two queries per pass over the sources; `counts` then gives the number of leading sources each
+    query reads (default: all).
     Sources may differ in dtype (fp32 and bf16 are read natively, others through an fp32 copy) and
     may be broadcast views (e.g. `null.expand_as(x)`, read through stride 0, never materialised).
     """
     if len(sources) == 0:
         raise ValueError("depth routing needs at least one source")
-    d = query.shape[-1]
-    check_heads(d, heads)
+    d = route.d
     if any(v.shape[-1] != d for v in sources):
         raise ValueError(f"source widths {[v.shape[-1] for v in sources]} do not all match query width {d}")
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    u = (query.float() * norm_weight.float()).reshape(-1, d)
+    u = route.folded(torch.float32).reshape(-1, d)
     counts = check_counts(counts, len(u), len(sources))
     dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
     mixes, lses = [], []
-    for first in range(0, len(u), triton_route.MAX_QUERIES):
-        chunk = counts[first : first + triton_route.MAX_QUERIES]
-        *out, lse = _Route.apply(u[first : first + len(chunk)], heads, eps, chunk, *sources[: max(chunk)])
+    for first in range(0, len(u), route_launch.MAX_QUERIES):
+        chunk = counts[first : first + route_launch.MAX_QUERIES]
+        *out, lse = _Route.apply(u[first : first + len(chunk)], route.heads, route.eps, chunk, *sources[: max(chunk)])
         mixes += [mix.to(dtype) for mix in out]
         lses += lse.unbind(0)
-    return (tuple(mixes), tuple(lses)) if query.dim() == 2 else (mixes[0], lses[0])
+    return (tuple(mixes), tuple(lses)) if route.query.dim() == 2 else (mixes[0], lses[0])
 
 
-def depth_route(sources: Sequence[Tensor], query: Tensor, norm_weight: Tensor, heads: int, eps: float = 1e-6) -> Tensor:
-    """The fused route (see `depth_route_lse`) without its log-sum-exp: [..., d], or [Q, ..., d] for a [Q, d] query."""
-    out = depth_route_lse(sources, query, norm_weight, heads, eps)[0]
-    return torch.stack(out) if query.dim() == 2 else out
+def depth_route(sources: Sequence[Tensor], route: RouteQuery) -> Tensor:
+    """The fused route (see `depth_route_lse`) without its log-sum-exp: [..., d], or [Q, ..., d] for [Q, d] queries."""
+    out = depth_route_lse(sources, route)[0]
+    return torch.stack(out) if route.query.dim() == 2 else out
 
 
 def merge_norm(
-    mix: Tensor,
-    lse: Tensor,
-    source: Tensor,
-    query: Tensor,
-    norm_weight: Tensor,
-    heads: int,
-    weight: Tensor,
-    eps: float,
-    norm_eps: float,
-    out_dtype: torch.dtype,
+    mix: Tensor, lse: Tensor, source: Tensor, route: RouteQuery, weight: Tensor, norm_eps: float, out_dtype: torch.dtype
 ) -> Tensor:
     """`reference.merge_norm` (the route `mix` [..., d], `lse` [..., heads] with `source` added, then normed) with
     one fused kernel for all its gradients."""
-    d = query.shape[-1]
-    check_heads(d, heads)
+    d, heads = route.d, route.heads
     if mix.shape != source.shape or lse.shape != (*mix.shape[:-1], heads) or mix.shape[-1] != d:
         raise ValueError(
             f"merge_norm needs mix and source of one shape [..., {d}] and lse [..., {heads}]; got mix "
             f"{tuple(mix.shape)}, source {tuple(source.shape)}, lse {tuple(lse.shape)}"
         )
     mix, source = (x.contiguous() if x.dtype in triton_merge.DTYPES else x.float().contiguous() for x in (mix, source))
-    u = query.float() * norm_weight.float()
+    u = route.folded(torch.float32)
     lse, weight = lse.float().contiguous(), weight.contiguous()
-    return _MergeNorm.apply(mix, lse, source, u, weight, heads, eps, norm_eps, out_dtype)
+    return _MergeNorm.apply(mix, lse, source, u, weight, heads, route.eps, norm_eps, out_dtype)

@@ -5,27 +5,19 @@ RMSNorm. The forward stays plain ops, which a compiled block fuses with its neig
 kernel of its own cost more host time than it saved in a 350m step, docs/kernels.md); it also returns a
 few statistics per row. From them the backward kernel reads the upstream gradient, the mix and the source once
 and writes their gradients, where the compiled backward took several kernels and about twice as long.
-Rows are [heads, head size] register tiles, as in `triton_route`, so per-head values broadcast without gathers.
+Rows are [heads, head size] register tiles (`rows.row_tile`), so per-head values broadcast without gathers.
 """
 
 import torch
 import triton
 import triton.language as tl
-from mhar_lightning.kernels.triton_route import ROW_ELEMS_PER_THREAD, interpreted, launch_shape
+from mhar_lightning.kernels.route_launch import ROW_ELEMS_PER_THREAD, interpreted, launch_shape
+from mhar_lightning.kernels.rows import row_tile
 from torch import Tensor
 
 MIN_WARPS = 4
 BACKWARD_ROWS = 16  # rows per backward program; sets the shape of the parameter gradients' partial sums
 DTYPES = (torch.float32, torch.bfloat16)  # row dtypes the kernels read and write
-
-
-@triton.jit
-def _tile(H, DH, BH: tl.constexpr, BDH: tl.constexpr):
-    """Head index, its mask, the tile mask and the column offsets of a [heads, head size] row tile."""
-    h = tl.arange(0, BH)
-    j = tl.arange(0, BDH)
-    hmask = h < H
-    return h, hmask, hmask[:, None] & (j < DH)[None, :], h[:, None] * DH + j[None, :]
 
 
 ROUND_BY_BITS = tl.constexpr(interpreted())  # the interpreter's bf16 casts truncate: round to nearest even by hand
@@ -55,7 +47,7 @@ def _merge_norm_backward_kernel(
     ds = a dx + r_s dt u - r_s^2 / D (sum_h dt z) s. The program's partial sums of du = sum r_s dt s and
     dw = sum g n go to row `program` of parts[0] and parts[1] (reduced by the caller: no atomics)."""
     first = tl.program_id(0).to(tl.int64) * BR
-    h, hmask, mask, cols = _tile(H, DH, BH, BDH)
+    h, hmask, mask, cols = row_tile(H, DH, BH, BDH)
     u = tl.load(u_ptr + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     du = tl.zeros([BH, BDH], tl.float32)

@@ -11,11 +11,12 @@ from mhar_lightning.kernels import (
     ENV_BACKEND,
     depth_route,
     depth_route_lse,
+    forward_kernel,
     merge_source,
     op,
     reference,
     resolve_backend,
-    triton_route,
+    route_launch,
 )
 from torch._dynamo.utils import maybe_enable_compiled_autograd
 
@@ -196,7 +197,7 @@ def test_counts_out_of_range_are_refused(backend):
 
 def test_rows_span_several_gradient_blocks():
     """75 rows: the gradient kernel's blocks of APPLY_ROWS rows, the last one partial, and their du partial sums."""
-    assert triton_route.APPLY_ROWS < 75 < 3 * triton_route.APPLY_ROWS
+    assert route_launch.APPLY_ROWS < 75 < 3 * route_launch.APPLY_ROWS
     sources, query, gain, grad_out = make(3, 24, (5, 15), [torch.float32, torch.bfloat16, torch.float32], seed=7)
     check_against_reference(sources, query, gain, grad_out, 4, TOL[torch.bfloat16])
     sources, query, gain, grad_out = make(3, 24, (5, 15), [torch.bfloat16] * 3, seed=8, queries=2)
@@ -237,10 +238,10 @@ def test_outputs_fully_overwritten():
     out = [torch.full((2, 3, d), float("nan"), device=DEVICE) for _ in range(2)]
     lse = torch.full((2, 2, 3, heads), float("nan"), device=DEVICE)
     rms = torch.full((6, S), float("nan"), device=DEVICE)
-    triton_route.route_forward(sources, u, heads, 1e-6, out=out, lse=lse, rms=rms)
+    route_launch.route_forward(sources, u, heads, 1e-6, out=out, lse=lse, rms=rms)
     assert all(torch.isfinite(x).all() for x in (*out, lse, rms))
     grads = [torch.full_like(v, float("nan")) for v in sources]
-    triton_route.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads, grads=grads)
+    route_launch.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads, grads=grads)
     assert all(torch.isfinite(g).all() for g in grads)
 
 
@@ -251,7 +252,7 @@ def test_query_gradients_anywhere_in_memory(placement):
     S, d, heads = 3, 40, 8
     sources, query, gain, grad_out = make(S, d, (2, 3), [torch.bfloat16] * S, queries=2, seed=13)
     u = query * gain
-    _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
+    _, lse, rms = route_launch.route_forward(sources, u, heads, 1e-6)
     n = grad_out[0].numel()
     buf = torch.empty(2 * n + 8, dtype=torch.bfloat16, device=DEVICE)
     first, second = buf[:n].view_as(grad_out[0]), buf[n + 8 :].view_as(grad_out[0])  # 8: not a multiple of d
@@ -263,7 +264,7 @@ def test_query_gradients_anywhere_in_memory(placement):
         gos = [first, second] if placement == "skewed" else [second, first]
         for g, values in zip(gos, grad_out, strict=True):
             g.copy_(values)
-    grads, du = triton_route.route_backward(gos, None, lse, rms, sources, u, heads)
+    grads, du = route_launch.route_backward(gos, None, lse, rms, sources, u, heads)
 
     ref = [v.detach().double().requires_grad_() for v in sources]
     ref_u = u.detach().double().requires_grad_()
@@ -281,11 +282,11 @@ def test_backward_tolerates_rounding_of_forward_statistics():
     S, d, heads = 24, 128, 2
     sources, query, gain, grad_out = make(S, d, (3, 4), [torch.float32] * S, queries=2, seed=5)
     u = query * gain * 4  # logits of std about 20: nearly one-hot weights
-    _, lse, rms = triton_route.route_forward(sources, u, heads, 1e-6)
+    _, lse, rms = route_launch.route_forward(sources, u, heads, 1e-6)
     gen = torch.Generator().manual_seed(0)
     for stat in (lse, rms):
         stat *= 1 + 4 * 2.0**-24 * torch.randn(stat.shape, generator=gen).to(stat.device)
-    grads, _ = triton_route.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads)
+    grads, _ = route_launch.route_backward(grad_out.unbind(0), None, lse, rms, sources, u, heads)
     ref_leaves = [v.detach().double().requires_grad_() for v in sources]
     ref = torch.stack([reference.depth_route(ref_leaves, uk.double(), torch.ones_like(uk.double()), heads) for uk in u])
     ref.backward(grad_out.double())
@@ -297,16 +298,16 @@ def test_forward_with_sharp_rising_logits_matches_reference(lazy, monkeypatch):
     """Logits whose running max jumps by more than RESCALE_MARGIN along depth, and in all by more than exp's fp32
     range: the mix and log-sum-exp match fp64 whether the forward moves its reference max only on such jumps (lazy:
     any one-warp launch, and the interpreter) or at every source."""
-    monkeypatch.setattr(triton_route, "LAZY_RESCALE_WARPS", 1 if lazy else 0)
+    monkeypatch.setattr(route_launch, "LAZY_RESCALE_WARPS", 1 if lazy else 0)
     S, d, heads = 16, 32, 2
     sources, query, gain, _ = make(S, d, (3, 5), [torch.float32] * S, queries=2, seed=3)
     u = query * gain * 30
     ref = [v.double() for v in sources]
     one = torch.ones(d, dtype=torch.float64, device=DEVICE)
     running = torch.stack([reference.depth_logits(ref, uk.double(), one, heads) for uk in u]).cummax(-1).values
-    assert ((running[..., 1:] - running[..., :-1]) > triton_route.RESCALE_MARGIN.value).any()  # rescales mid-loop
+    assert ((running[..., 1:] - running[..., :-1]) > forward_kernel.RESCALE_MARGIN.value).any()  # rescales mid-loop
     assert (running[..., -1] - running[..., 0] > 100).any()  # exp(100) overflows fp32 without a rescale
-    mix, lse, _ = triton_route.route_forward(sources, u, heads, 1e-6)
+    mix, lse, _ = route_launch.route_forward(sources, u, heads, 1e-6)
     ref_mix, ref_lse = reference.depth_route_lse(ref, u.double(), torch.ones_like(u.double()), heads)
     mix, ref_mix, ref_lse = torch.stack(mix), torch.stack(ref_mix), torch.stack(ref_lse)
     assert rel(mix, ref_mix) < TOL[torch.float32] and rel(lse, ref_lse) < TOL[torch.float32]
@@ -316,7 +317,7 @@ COMPILE_FOR_HOPPER = """
 import itertools, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mhar_lightning.kernels import triton_route as tr
+from mhar_lightning.kernels import route_launch as tr
 
 def kind(name):
     if name == "table":
@@ -352,17 +353,17 @@ def test_kernels_compile_for_hopper(tmp_path):
 def test_launch_shape_runs_small_row_tiles_in_one_warp():
     """A tile of up to `one_warp_tile` elements gets one warp; a larger one `elems_per_thread` per thread, with the
     head size padded to a power of two (d = 1536, H = 8: [8, 256])."""
-    assert triton_route.launch_shape(1024, 8, 16, 4, False, 1024) == (8, 128, 1)
-    assert triton_route.launch_shape(1024, 8, 16, 1, False, 0) == (8, 128, 2)
-    assert triton_route.launch_shape(2048, 8, 16, 4, False, 1024) == (8, 256, 4)
-    assert triton_route.launch_shape(1536, 8, 8, 4, False, 1024) == (8, 256, 8)
-    assert triton_route.launch_shape(2048, 8, 16, 4, True, 0) == (8, 256, 1)  # the interpreter: always one
+    assert route_launch.launch_shape(1024, 8, 16, 4, False, 1024) == (8, 128, 1)
+    assert route_launch.launch_shape(1024, 8, 16, 1, False, 0) == (8, 128, 2)
+    assert route_launch.launch_shape(2048, 8, 16, 4, False, 1024) == (8, 256, 4)
+    assert route_launch.launch_shape(1536, 8, 8, 4, False, 1024) == (8, 256, 8)
+    assert route_launch.launch_shape(2048, 8, 16, 4, True, 0) == (8, 256, 1)  # the interpreter: always one
 
 
 def test_kernels_refuse_more_than_two_queries():
     sources, query, gain, _ = make(2, 8, (1, 2), [torch.float32] * 2, queries=3)
     with pytest.raises(ValueError, match="1 to 2 queries per call, got 3; split them"):
-        triton_route.route_forward(sources, query * gain, 1, 1e-6)
+        route_launch.route_forward(sources, query * gain, 1, 1e-6)
 
 
 def test_compiled_autograd_matches_eager():

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from mhar_lightning.kernels import depth_route, depth_route_lse, merge_source
+from mhar_lightning.kernels import RouteQuery, depth_route, depth_route_lse, merge_source
 from mhar_lightning.kernels.reference import depth_logits, depth_weights
 
 
@@ -90,3 +90,21 @@ def test_mixed_dtypes_promote():
 def test_heads_must_divide_width():
     with pytest.raises(ValueError, match="heads=3 must divide d_model=64"):
         depth_route([torch.randn(2, 64)], torch.zeros(64), torch.ones(64), heads=3)
+
+
+def test_route_query_is_taken_whole_or_made_of_its_parts():
+    """A RouteQuery routes as its four parts do; one mixed with loose parts, or a query without its gain and heads,
+    is refused naming the fix."""
+    g = torch.Generator().manual_seed(5)
+    sources = [torch.randn(2, 8, dtype=torch.float64, generator=g) for _ in range(3)]
+    query = torch.randn(2, 8, dtype=torch.float64, generator=g)
+    gain = torch.rand(2, 8, dtype=torch.float64, generator=g)
+    route = RouteQuery(query, gain, 2, 1e-5)
+    assert route.count == 2 and route[1].count == 1
+    torch.testing.assert_close(depth_route(sources, route), depth_route(sources, query, gain, 2, 1e-5), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="pass a RouteQuery alone"):
+        depth_route(sources, route, heads=2)
+    with pytest.raises(TypeError, match="needs norm_weight and heads"):
+        depth_route(sources, query)
+    with pytest.raises(ValueError, match="heads=3 must divide d_model=8"):
+        RouteQuery(query, gain, 3)

@@ -6,12 +6,11 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.kernels import depth_route, depth_route_lse, merge_norm, merge_source
-from mhar_lightning.kernels.reference import check_heads, depth_weights
+from mhar_lightning.kernels import KEY_NORM_EPS, RouteQuery, depth_route, depth_route_lse, merge_norm, merge_source
+from mhar_lightning.kernels.query import check_heads
+from mhar_lightning.kernels.reference import depth_weights
 from mhar_lightning.norm import RMSNorm
 from mhar_lightning.residual.base import Residual, Stream, register_residual, sublayer_label
-
-KEY_NORM_EPS = 1e-6
 
 
 def routing_source(embedding: Tensor) -> Tensor:
@@ -51,18 +50,22 @@ class DepthRouter(Residual):
     def start(self, embedding: Tensor) -> Stream:
         return (routing_source(embedding),)
 
+    def site_query(self, sites: int | slice) -> RouteQuery:
+        """The queries and key-norm gains of site(s) `sites`, as the routing functions take them."""
+        return RouteQuery(self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS)
+
     def record_route(self, sources: Stream, l: int, **scalars: Tensor) -> None:
         """Record sublayer `l`'s depth weights over `sources` with the attached capture, if any."""
         if self.capture is None:
             return
         with torch.no_grad():
-            j = self.site(l)
-            weights = depth_weights(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+            route = self.site_query(self.site(l))
+            weights = depth_weights(sources, route)
             normed = (
                 v.float() * torch.rsqrt(v.float().square().mean(-1, keepdim=True) + KEY_NORM_EPS) for v in sources
             )
             keys = torch.stack([v.flatten(0, -2).mean(0) for v in normed])  # token means, one source at a time
-            self.record(l, weights, keys, self.query[j] * self.key_norm[j], **scalars)
+            self.record(l, weights, keys, route.folded(), **scalars)
 
     def query_weights(self, query: Tensor, keys: Tensor) -> Tensor:
         """Each head's softmax over depth of its chunk of `query` (key gain folded in) against `keys` [sources, d]."""
@@ -72,25 +75,23 @@ class DepthRouter(Residual):
     def route(self, sources: Stream, l: int) -> Tensor:
         """Mix `sources` with the query of sublayer `l` (l = n_sublayers is the final read)."""
         self.record_route(sources, l)
-        j = self.site(l)
-        return depth_route(sources, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
+        return depth_route(sources, self.site_query(self.site(l)))
 
     def route_shared(
         self, sources: Stream, l: int, counts: tuple[int, ...]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """The mixes [..., d] and log-sum-exps of sublayers l .. l + Q - 1 in one pass over `sources`, sublayer l + k
         reading the first counts[k]; `merge` then adds a source that did not exist yet."""
-        sites = slice(self.site(l), self.site(l) + len(counts))
-        return depth_route_lse(sources, self.query[sites], self.key_norm[sites], self.heads, KEY_NORM_EPS, counts)
+        route = self.site_query(slice(self.site(l), self.site(l) + len(counts)))
+        return depth_route_lse(sources, route, counts=counts)
 
     def merge(self, mix: Tensor, lse: Tensor, source: Tensor, l: int, norm: RMSNorm | None = None) -> Tensor:
         """Sublayer `l`'s route over the shared sources of `mix` and `lse` plus `source` (exact); with `norm`, normed
         by it, the two differentiated by one fused kernel on the Triton backend."""
-        j = self.site(l)
+        route = self.site_query(self.site(l))
         if norm is None:
-            return merge_source(mix, lse, source, self.query[j], self.key_norm[j], self.heads, KEY_NORM_EPS)
-        q, g = self.query[j], self.key_norm[j]
-        return merge_norm(mix, lse, source, q, g, self.heads, norm.weight, KEY_NORM_EPS, norm.eps)
+            return merge_source(mix, lse, source, route)
+        return merge_norm(mix, lse, source, route, weight=norm.weight, norm_eps=norm.eps)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, {super().extra_repr()}"
