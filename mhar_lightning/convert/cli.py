@@ -70,8 +70,8 @@ def export_main(argv: list[str] | None = None) -> int:
     dtype = DTYPES.get(args.dtype)
 
     def export() -> None:
+        from mhar_lightning.data.tokenizer import load_tokenizer
         from mhar_lightning.eval.loading import load_model  # imports the training module, which imports this package
-        from mhar_lightning.tokenizer import load_tokenizer
 
         if Path(args.src).is_dir() and (Path(args.src) / CONFIG_FILE).is_file():
             tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
