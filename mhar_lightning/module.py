@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from mhar_lightning.callbacks import SameWorldSize
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
 from mhar_lightning.divergence import NonFiniteGuard, check_finite_state
@@ -33,7 +34,6 @@ from mhar_lightning.parallel import (
     materialize,
 )
 from mhar_lightning.residual import Residual, make_residual
-from mhar_lightning.resume import SameWorldSize
 
 DDP_GPU_COMPILED_AUTOGRAD_SINCE = (2, 12)  # torch 2.11 failed on two H200s (NCCL); 2.11 and 2.13 pass on CPUs (gloo)
 
