@@ -8,12 +8,9 @@ import yaml
 from cli_helpers import stand_in_converted
 
 from mhar_lightning.cli import recipe_chain
+from mhar_lightning.memory_plan import memory_plan
 from mhar_lightning.module import LanguageModel
-from mhar_lightning.parallel import (
-    memory_plan,
-    routing_parameter_count,
-    unsharded_parameter_count,
-)
+from mhar_lightning.parallel import routing_parameter_count, unsharded_parameter_count
 from mhar_lightning.residual import MHAR, DeltaMHAR
 
 RECIPES = Path(__file__).parents[1] / "recipes" / "fsdp"
