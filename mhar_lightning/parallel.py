@@ -1,12 +1,13 @@
 """Scaling a `Decoder` over GPUs with FSDP2: activation checkpointing, per-block compile, sharding.
 
-Apply in torchtitan's order: `apply_activation_checkpointing`, then `compile_blocks`, then `apply_fsdp`, then
-`materialize` (the model is built on the meta device, so each rank only ever allocates its own shards).
+`parallelize` applies them in torchtitan's order: `apply_activation_checkpointing`, then `compile_blocks`, then
+`apply_fsdp` and `materialize` (the model is built on the meta device, so each rank only ever allocates its own shards).
 """
 
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -41,6 +42,39 @@ class ActivationCheckpointing(StrEnum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How `parallelize` prepares a decoder: per-block activation checkpointing and compile, FSDP2 mixed precision.
+
+    `compile_options` are Inductor's (checked by `inductor_options`); `param_dtype` and `reduce_dtype` are FSDP2's
+    compute and gradient-reduction dtypes (master weights and optimizer state stay fp32).
+    """
+
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    compile: bool = False
+    compile_options: dict[str, Any] = field(default_factory=lambda: dict(INDUCTOR_OPTIONS))
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+
+
+def parallelize(decoder: Decoder, mesh: DeviceMesh | None, config: ParallelConfig) -> None:
+    """Prepare `decoder` for training in place: activation checkpointing, then per-block compile, then, given
+    Lightning's `ModelParallelStrategy` `mesh`, FSDP2 sharding and each rank's shards allocated and initialised.
+
+    Parameter names and state-dict keys stay the plain decoder's. Without a mesh (one device, DDP) the decoder stays
+    whole; with one it must have been built on the meta device, and its shards land on the mesh's device type on
+    the current device (the rank's GPU, as for FSDP2's own placement).
+    """
+    apply_activation_checkpointing(decoder, config.activation_checkpointing)
+    if config.compile:
+        compile_blocks(decoder, config.compile_options)
+    if mesh is None:
+        return
+    mesh = fsdp_mesh(mesh)
+    apply_fsdp(decoder, mesh, config.param_dtype, config.reduce_dtype)
+    materialize(decoder, mesh.device_type, mesh)
 
 
 _SAVED_OPS = {

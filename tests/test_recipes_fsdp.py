@@ -71,7 +71,6 @@ def test_memory_plan_fits_an_80gb_gpu(
 ) -> None:
     module = meta_model(RECIPES / f"{recipe}.yaml", tmp_path)
     routing = routing_parameter_count(module.model_config, module.residual)
-    plan = memory_plan(
-        module.model_config, world, batch, seq, module.activation_checkpointing, routing, stream_tensors=2
-    )
+    checkpointing = module.parallel_config.activation_checkpointing
+    plan = memory_plan(module.model_config, world, batch, seq, checkpointing, routing, stream_tensors=2)
     assert plan.total / 2**30 < limit_gib
