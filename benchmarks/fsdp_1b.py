@@ -23,8 +23,9 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from mhar_lightning.memory_plan import memory_plan
 from mhar_lightning.module import LanguageModel
-from mhar_lightning.parallel import memory_plan, routing_parameter_count
+from mhar_lightning.parallel import routing_parameter_count
 
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H200 SXM (datasheet), the usual MFU denominator
 

@@ -37,9 +37,9 @@ from mhar_lightning.callbacks.throughput import h200_peak
 
 from mhar_lightning.cli import MharCLI
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
+from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.optim import build_optimizer
 from mhar_lightning.parallel import compiled_backward
-from mhar_lightning.tokenizer import load_tokenizer
 
 
 def random_corpus(directory: Path, tokenizer_name: str, tokens: int) -> Path:
@@ -147,7 +147,7 @@ def run_bare(cli: MharCLI, warmup: int, steps: int, turns: Turns) -> dict:
         batch = next(batches).cuda(non_blocking=True)
         with autocast or contextlib.nullcontext():
             loss = model.loss(batch)
-        with compiled_backward(model.compiled_autograd, model.compile_options):
+        with compiled_backward(model.compiled_autograd, model.parallel_config.compile_options):
             loss.backward()
         if model.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.decoder.parameters(), model.grad_clip)
@@ -189,7 +189,7 @@ def child(spec: dict) -> dict:
             "loop": "bare" if spec["bare"] else "trainer",
             "preset": model.hparams.preset,
             "residual": model.residual.spec(),
-            "compile": model.compile_blocks,
+            "compile": model.parallel_config.compile,
             "compiled_autograd": model.compiled_autograd,
             "batch": data.batch_size,
             "seq_len": data.seq_len,

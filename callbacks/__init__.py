@@ -1,4 +1,4 @@
-"""Lightning callbacks for studying depth routing and training speed, and for checkpointing runs."""
+"""Lightning callbacks for studying depth routing and training speed, and for checkpointing and resuming runs."""
 
 from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
@@ -6,6 +6,7 @@ from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
 from mhar_lightning.callbacks.model_summary import ParameterSummary
 from mhar_lightning.callbacks.progress_bar import StepProgressBar
+from mhar_lightning.callbacks.same_world_size import SameWorldSize
 from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "HeadDisagreementProbe",
     "ParameterSummary",
     "PeakMemoryMonitor",
+    "SameWorldSize",
     "StepProgressBar",
     "TokenThroughputMonitor",
 ]

@@ -33,26 +33,30 @@ from mhar_lightning.terminal import quiet_third_party_noise
 TOOLS: dict[str, tuple[str, str, str]] = {
     "prepare": ("mhar_lightning.data.prepare", "main", "Tokenize text files into checked token shards."),
     "compare": (
-        "mhar_lightning.compare",
+        "mhar_lightning.commands.compare",
         "main",
         "Train variants x seeds with `mhar fit`, resumably, and report on them (report.md, plots).",
     ),
     "inspect": (
-        "mhar_lightning.inspect",
+        "mhar_lightning.commands.inspect",
         "main",
         "Show where each routing site of a checkpoint reads from (depth-attention maps).",
     ),
     "convert-hf": (
-        "mhar_lightning.convert",
+        "mhar_lightning.commands.convert",
         "main",
         "Convert a local Hugging Face Llama checkpoint into any residual strategy.",
     ),
     "export-hf": (
-        "mhar_lightning.convert",
+        "mhar_lightning.commands.convert",
         "export_main",
         "Export a checkpoint of any strategy to a Hugging Face directory.",
     ),
-    "consolidate": ("mhar_lightning.consolidate", "main", "Merge a sharded (FSDP) checkpoint into one file."),
+    "consolidate": (
+        "mhar_lightning.commands.consolidate",
+        "main",
+        "Merge a sharded (FSDP) checkpoint into one file.",
+    ),
     "generate": ("mhar_lightning.eval.generate", "main", "Continue a prompt with a checkpoint, streamed (KV cache)."),
     "evaluate": (
         "mhar_lightning.eval.evaluate",

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from mhar_lightning.callbacks import SameWorldSize
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
 from mhar_lightning.divergence import NonFiniteGuard, check_finite_state
@@ -23,17 +24,13 @@ from mhar_lightning.model import Decoder
 from mhar_lightning.optim import OptimizerConfig, build_optimizer
 from mhar_lightning.parallel import (
     ActivationCheckpointing,
-    apply_activation_checkpointing,
-    apply_fsdp,
-    compile_blocks,
+    ParallelConfig,
     compiled_backward,
-    fsdp_mesh,
     full_tensor,
     inductor_options,
-    materialize,
+    parallelize,
 )
 from mhar_lightning.residual import Residual, make_residual
-from mhar_lightning.resume import SameWorldSize
 
 DDP_GPU_COMPILED_AUTOGRAD_SINCE = (2, 12)  # torch 2.11 failed on two H200s (NCCL); 2.11 and 2.13 pass on CPUs (gloo)
 
@@ -58,6 +55,15 @@ def compiled_autograd_unsupported(trainer: L.Trainer) -> str | None:
             f"and this is torch {torch.__version__}"
         )
     return None
+
+
+def check_sharded_precision(precision: str) -> None:
+    """Refuse a Trainer precision that casts the fp32 master weights: under FSDP2 its own policy sets the dtypes."""
+    if precision.endswith("-true") and precision != "32-true":
+        raise ValueError(
+            f"precision={precision} casts the fp32 master weights; use precision=32-true with"
+            " ModelParallelStrategy (param_dtype and reduce_dtype set FSDP2's mixed precision)"
+        )
 
 
 class LanguageModel(L.LightningModule):
@@ -137,12 +143,15 @@ class LanguageModel(L.LightningModule):
         self.grad_clip = grad_clip
         self.nonfinite = NonFiniteGuard(skip_nonfinite)
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.activation_checkpointing = ActivationCheckpointing(activation_checkpointing)
-        self.compile_blocks = compile
-        self.compile_options = inductor_options(compile_options)
+        self.parallel_config = ParallelConfig(
+            activation_checkpointing=ActivationCheckpointing(activation_checkpointing),
+            compile=compile,
+            compile_options=inductor_options(compile_options),
+            param_dtype=dtype_from_name(param_dtype),
+            reduce_dtype=dtype_from_name(reduce_dtype),
+        )
         self.compiled_autograd = compiled_autograd
         self.init_from = init_from
-        self.param_dtype, self.reduce_dtype = dtype_from_name(param_dtype), dtype_from_name(reduce_dtype)
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
         self.hparams["model_config"] = self.model_config.to_dict()  # what tools (export-hf) rebuild the decoder from
@@ -152,12 +161,12 @@ class LanguageModel(L.LightningModule):
         self._step_loss: Tensor | None = None
 
     def configure_model(self) -> None:
-        """Build the decoder: sharded with FSDP2 under `ModelParallelStrategy`, whole otherwise (single device, DDP).
+        """Build the decoder and `parallelize` it: sharded with FSDP2 under `ModelParallelStrategy`, whole otherwise.
 
-        With a device mesh the decoder is built on the meta device, checkpointed, compiled and sharded per block,
-        then each rank allocates and initialises only its shards, so a large model never exists whole on one rank.
-        `init_from` weights are read on rank 0 only and scattered shard by shard. Without a trainer (e.g.
-        `load_from_checkpoint`) `init_from` is skipped: the checkpoint holds the weights.
+        With a device mesh the decoder is built on the meta device and each rank allocates and initialises only its
+        shards, so a large model never exists whole on one rank. `init_from` weights are read on rank 0 only and
+        scattered shard by shard. Without a trainer (e.g. `load_from_checkpoint`) `init_from` is skipped: the
+        checkpoint holds the weights.
         """
         if self.decoder is not None:
             return
@@ -165,34 +174,17 @@ class LanguageModel(L.LightningModule):
         if mesh is None:
             decoder = Decoder(self.model_config, self.residual)
         else:
+            check_sharded_precision(str(self.trainer.precision))
             with torch.device("meta"):
                 decoder = Decoder(self.model_config, self.residual)
-        apply_activation_checkpointing(decoder, self.activation_checkpointing)
-        if self.compile_blocks:
-            compile_blocks(decoder, self.compile_options)
-        load = self.init_from is not None and self._trainer is not None
-        if mesh is None:
-            if load:
-                decoder.load_state_dict(self._init_state(decoder))
-        else:
-            precision = str(self.trainer.precision)
-            if precision.endswith("-true") and precision != "32-true":
-                raise ValueError(
-                    f"precision={precision} casts the fp32 master weights; use precision=32-true with"
-                    " ModelParallelStrategy (param_dtype and reduce_dtype set FSDP2's mixed precision)"
-                )
-            mesh = fsdp_mesh(mesh)
-            apply_fsdp(decoder, mesh, self.param_dtype, self.reduce_dtype)
-            materialize(decoder, self.trainer.strategy.root_device, mesh)
-            if load:
-                state = self._init_state(decoder)  # memory-mapped and checked on every rank, read on rank 0 only
-                state = state if self.global_rank == 0 else {}
-                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-                set_model_state_dict(decoder, state, options=options)
+        parallelize(decoder, mesh, self.parallel_config)
+        if self.init_from is not None and self._trainer is not None:
+            self._load_init_from(decoder, sharded=mesh is not None)
         self.decoder = decoder
 
-    def _init_state(self, decoder: Decoder) -> dict[str, Tensor]:
-        """The memory-mapped state dict of `init_from`, checked against `decoder`'s parameter names and shapes."""
+    def _load_init_from(self, decoder: Decoder, sharded: bool) -> None:
+        """Load the `init_from` weights, memory-mapped and checked against `decoder`'s parameter names and shapes on
+        every rank: whole, or read on rank 0 only and scattered into the shards."""
         state = converted_state_dict(self.init_from)
         expected = {name: tuple(p.shape) for name, p in decoder.state_dict().items()}
         found = {name: tuple(t.shape) for name, t in state.items()}
@@ -202,7 +194,11 @@ class LanguageModel(L.LightningModule):
                 f"init_from={self.init_from} holds tensors that its mhar_config.json does not describe (first "
                 f"differences: {diff}); convert it again with `mhar convert-hf`"
             )
-        return state
+        if not sharded:
+            decoder.load_state_dict(state)
+            return
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(decoder, state if self.global_rank == 0 else {}, options=options)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.decoder(tokens)
@@ -258,7 +254,7 @@ class LanguageModel(L.LightningModule):
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         if self.compiled_autograd and self._step_loss is not None:
             loss = self._tensor_scaled(loss)
-        with compiled_backward(self.compiled_autograd, self.compile_options):
+        with compiled_backward(self.compiled_autograd, self.parallel_config.compile_options):
             super().backward(loss, *args, **kwargs)
         self._step_loss = None
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from mhar_lightning.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
+META_FILE = "meta.pt"  # loops, schedules and hyperparameters, written by Lightning's ModelParallelStrategy
 ALLOWED_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",

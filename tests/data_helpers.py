@@ -3,7 +3,7 @@
 import numpy as np
 
 from mhar_lightning.data.shards import TokenStream
-from mhar_lightning.tokenizer import Tokenizer
+from mhar_lightning.data.tokenizer import Tokenizer
 
 
 def split_documents(stream: TokenStream, tokenizer: Tokenizer) -> list[list[int]]:

@@ -41,7 +41,7 @@ DOCUMENTS = [
 def tiny_corpus(root: Path) -> Path:
     """A prepared byte-token folder of a few short documents with a validation split."""
     from mhar_lightning.data.prepare import prepare_files
-    from mhar_lightning.tokenizer import load_tokenizer
+    from mhar_lightning.data.tokenizer import load_tokenizer
 
     sources = []
     for i, text in enumerate(DOCUMENTS * 3):

@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.data.prepare import prepare_files
+from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.model import Decoder
 from mhar_lightning.residual import HyperConnections, make_residual
-from mhar_lightning.tokenizer import load_tokenizer
 
 SCRIPT = Path(__file__).with_name("fsdp_run.py")
 MHAR = {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 4}}

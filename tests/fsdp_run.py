@@ -18,7 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from mhar_lightning.callbacks import DepthAttentionLogger, FinalStepCheckpoint
+from mhar_lightning.callbacks import DepthAttentionLogger, FinalStepCheckpoint, SameWorldSize
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import full_tensor
-from mhar_lightning.resume import SameWorldSize
 
 torch.set_num_threads(1)
 

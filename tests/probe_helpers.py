@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data.corpus import stdlib_files
 from mhar_lightning.data.prepare import prepare_files
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 
 def small_corpus(out: Path) -> Path:

@@ -14,7 +14,7 @@ import mhar_lightning.checkpoint_io
 import mhar_lightning.preflight
 from mhar_lightning.cli import main
 from mhar_lightning.data.prepare import prepare_files
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 
 def last_line(err: str) -> str:

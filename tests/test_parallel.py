@@ -11,16 +11,13 @@ import torch
 from fsdp_helpers import DELTA, HC, MHAR, converted_init, losses, run_ranks, tiny_corpus
 from mhar_lightning.kernels import ENV_BACKEND
 
-from mhar_lightning.config import ModelConfig
 from mhar_lightning.module import DDP_GPU_COMPILED_AUTOGRAD_SINCE, LanguageModel, torch_release
 from mhar_lightning.parallel import (
     INDUCTOR_OPTIONS,
-    ActivationCheckpointing,
     apply_activation_checkpointing,
     compile_blocks,
     compiled_backward,
     inductor_options,
-    memory_plan,
 )
 from mhar_lightning.probe import DepthMaps
 
@@ -168,15 +165,6 @@ def test_compiled_blocks_and_backward_get_the_options(monkeypatch, options) -> N
     for (name, a), b in zip(models[0].decoder.named_parameters(), models[1].decoder.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
     torch._dynamo.reset()  # no later test may reuse a graph compiled by the recorders
-
-
-def test_memory_plan_shards_states_and_checkpointing_saves_activations() -> None:
-    config = ModelConfig.preset("1b")
-    one, eight = memory_plan(config, 1, 4, 2048), memory_plan(config, 8, 4, 2048)
-    assert one.optimizer == 8 * config.num_params()  # AdamW: two fp32 moments
-    assert eight.optimizer == pytest.approx(one.optimizer / 8, rel=1e-6)
-    plans = [memory_plan(config, 8, 4, 2048, mode).activations for mode in ActivationCheckpointing]
-    assert plans[0] > plans[2] > plans[1]  # none > selective > full
 
 
 def test_sharded_random_init_draws_independent_shards(workdir: Path) -> None:

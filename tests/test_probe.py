@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_residual import randomize_routing
+from residual_helpers import randomize_routing
 from torch import nn
 
 from mhar_lightning.config import ModelConfig

@@ -104,7 +104,7 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
 
     sharded = recipe.parent.name == "fsdp"
     gpu = recipe.name != "demo.yaml"  # every GPU recipe runs compiled; the CPU demo stays eager
-    assert (model.compile_blocks, model.compiled_autograd) == (gpu, "auto" if gpu and not sharded else False)
+    assert (model.parallel_config.compile, model.compiled_autograd) == (gpu, "auto" if gpu and not sharded else False)
     if recipe.name == "demo.yaml":
         model.configure_model()
         assert model.decoder.embed.weight.device.type == "cpu"

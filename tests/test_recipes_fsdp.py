@@ -8,12 +8,9 @@ import yaml
 from cli_helpers import stand_in_converted
 
 from mhar_lightning.cli import recipe_chain
+from mhar_lightning.memory_plan import memory_plan
 from mhar_lightning.module import LanguageModel
-from mhar_lightning.parallel import (
-    memory_plan,
-    routing_parameter_count,
-    unsharded_parameter_count,
-)
+from mhar_lightning.parallel import routing_parameter_count, unsharded_parameter_count
 from mhar_lightning.residual import MHAR, DeltaMHAR
 
 RECIPES = Path(__file__).parents[1] / "recipes" / "fsdp"
@@ -74,7 +71,6 @@ def test_memory_plan_fits_an_80gb_gpu(
 ) -> None:
     module = meta_model(RECIPES / f"{recipe}.yaml", tmp_path)
     routing = routing_parameter_count(module.model_config, module.residual)
-    plan = memory_plan(
-        module.model_config, world, batch, seq, module.activation_checkpointing, routing, stream_tensors=2
-    )
+    checkpointing = module.parallel_config.activation_checkpointing
+    plan = memory_plan(module.model_config, world, batch, seq, checkpointing, routing, stream_tensors=2)
     assert plan.total / 2**30 < limit_gib

@@ -29,7 +29,6 @@ from mhar_lightning.convert.checkpoint import (
     load_hf_llama,
     save_converted,
 )
-from mhar_lightning.convert.cli import export_main, main
 from mhar_lightning.convert.export import export_hf
 from mhar_lightning.convert.hf_llama import hf_config_to_model_config
 from mhar_lightning.convert.pretrained import check_data_tokenizer, pretrained_model
@@ -40,12 +39,10 @@ __all__ = [
     "check_data_tokenizer",
     "converted_state_dict",
     "export_hf",
-    "export_main",
     "hf_config_to_model_config",
     "load_converted",
     "load_decoder",
     "load_hf_llama",
-    "main",
     "pretrained_model",
     "save_converted",
 ]

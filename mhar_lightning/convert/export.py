@@ -22,9 +22,9 @@ from mhar_lightning.convert.safetensors_io import (
     parse_size,
     write_sharded,
 )
+from mhar_lightning.data.tokenizer import Tokenizer
 from mhar_lightning.model import Decoder
 from mhar_lightning.residual import SumResidual, residual_name
-from mhar_lightning.tokenizer import Tokenizer
 
 
 def export_hf(

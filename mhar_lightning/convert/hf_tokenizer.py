@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from mhar_lightning.convert.safetensors_io import ConversionError
-from mhar_lightning.tokenizer import ByteTokenizer, Tokenizer
+from mhar_lightning.data.tokenizer import ByteTokenizer, Tokenizer
 
 
 def byte_to_char() -> dict[int, str]:

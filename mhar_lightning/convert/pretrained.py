@@ -8,8 +8,8 @@ from typing import Any
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, converted_residual, read_converted_config
 from mhar_lightning.convert.safetensors_io import ConversionError
+from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
 from mhar_lightning.residual import RESIDUALS, Residual, make_residual, residual_name
-from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
 
 RUN_FIELDS = ("max_seq_len",)
 """`ModelConfig` fields a run sets itself (from `data.seq_len`), whatever the directory says."""

@@ -1,4 +1,4 @@
-"""Token data: preparation of text into checked token shards, the default corpus, and the Lightning datamodule."""
+"""Token data: tokenizers, text prepared into checked token shards, the default corpus, and the Lightning datamodule."""
 
 from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.data.dataset import TokenWindowDataset

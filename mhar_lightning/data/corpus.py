@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.data.shards import INDEX_FILE
-from mhar_lightning.tokenizer import Tokenizer
+from mhar_lightning.data.tokenizer import Tokenizer
 
 _EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip"}

@@ -19,7 +19,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from mhar_lightning.data.corpus import corpus_dir, ensure_corpus
 from mhar_lightning.data.dataset import TokenWindowDataset
 from mhar_lightning.data.shards import INDEX_FILE, ShardError, ShardIndex, TokenStream
-from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
 
 
 class TokenDataModule(L.LightningDataModule):

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
-from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
 SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from mhar_lightning.data.tokenizer import Tokenizer
 from mhar_lightning.errors import ConfigError
-from mhar_lightning.tokenizer import Tokenizer
 
 FORMAT = "mhar-shards/1"
 INDEX_FILE = "index.json"

@@ -25,9 +25,9 @@ from rich.table import Table
 from torch import Tensor
 
 from mhar_lightning.data.shards import TokenStream
+from mhar_lightning.data.tokenizer import ByteTokenizer, Tokenizer
 from mhar_lightning.eval.loading import add_model_options, load_from_args
 from mhar_lightning.model import Decoder
-from mhar_lightning.tokenizer import ByteTokenizer, Tokenizer
 
 
 @dataclass

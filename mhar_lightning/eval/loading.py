@@ -9,13 +9,13 @@ import torch
 
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.consolidate import META_FILE
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, load_decoder
+from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.residual import make_residual
-from mhar_lightning.tokenizer import Tokenizer, load_tokenizer
+from mhar_lightning.sharded_checkpoint import META_FILE
 
 
 @dataclass

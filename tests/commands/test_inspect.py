@@ -8,7 +8,7 @@ import pytest
 import torch
 from probe_helpers import demo_fit, small_corpus
 
-from mhar_lightning.inspect import main
+from mhar_lightning.commands.inspect import main
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps
 

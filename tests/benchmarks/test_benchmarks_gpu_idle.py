@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-_PATH = Path(__file__).parents[1] / "benchmarks" / "gpu_idle.py"
+_PATH = Path(__file__).parents[2] / "benchmarks" / "gpu_idle.py"
 _SPEC = importlib.util.spec_from_file_location("gpu_idle", _PATH)
 gpu_idle = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(gpu_idle)

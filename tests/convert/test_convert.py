@@ -12,16 +12,15 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
+from mhar_lightning.commands.convert import export_main, main  # noqa: E402
 from mhar_lightning.convert import (  # noqa: E402 - after HF_HUB_OFFLINE is set
     ConversionError,
     converted_state_dict,
     export_hf,
-    export_main,
     hf_config_to_model_config,
     load_converted,
     load_decoder,
     load_hf_llama,
-    main,
     save_converted,
 )
 from mhar_lightning.model import Decoder  # noqa: E402

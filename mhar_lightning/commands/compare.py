@@ -31,7 +31,7 @@ STRATEGIES: dict[str, dict[str, Any] | str] = {
 """Strategies by name; blocks and heads sized for the `tiny` preset (4 layers, d = 64). With no variants given,
 `mhar compare` trains them all on the demo recipe for `TINY_OVERRIDES`."""
 
-DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 TINY_OVERRIDES = [
     "--trainer.max_steps",
     "200",

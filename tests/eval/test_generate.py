@@ -55,7 +55,7 @@ def test_sampling_filters():
 
 
 def test_stream_text_holds_back_partial_utf8():
-    from mhar_lightning.tokenizer import ByteTokenizer
+    from mhar_lightning.data.tokenizer import ByteTokenizer
 
     ids = list("é!".encode())
     pieces = list(stream_text(iter(ids), ByteTokenizer().decode))

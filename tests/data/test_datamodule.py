@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mhar_lightning.data import ShardError, TokenDataModule
 from mhar_lightning.data.prepare import prepare_files
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 SEQ_LEN = 16
 

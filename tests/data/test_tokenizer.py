@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-from mhar_lightning import tokenizer as tokenizer_module
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data import tokenizer as tokenizer_module
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 SAMPLE = (
     "Hello, world! <|endoftext|> is plain text here.\n"

@@ -9,7 +9,7 @@ from data_helpers import split_documents
 
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.data.shards import INDEX_FILE, ShardError, ShardIndex, TokenStream
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.\n",

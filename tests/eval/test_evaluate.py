@@ -10,9 +10,9 @@ from eval_helpers import random_decoder, trained_checkpoint
 
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data.shards import TokenStream
+from mhar_lightning.data.tokenizer import ByteTokenizer, load_tokenizer
 from mhar_lightning.eval.evaluate import evaluate_tokens, token_bytes
 from mhar_lightning.eval.loading import load_model
-from mhar_lightning.tokenizer import ByteTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from mhar_lightning.data import TokenDataModule
 
-_PATH = Path(__file__).parents[1] / "benchmarks" / "throughput.py"
+_PATH = Path(__file__).parents[2] / "benchmarks" / "throughput.py"
 _SPEC = importlib.util.spec_from_file_location("throughput", _PATH)
 throughput = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(throughput)

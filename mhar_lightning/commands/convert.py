@@ -8,6 +8,7 @@ from pathlib import Path
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, save_converted
 from mhar_lightning.convert.export import export_hf, export_training_checkpoint
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
+from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.residual import RESIDUALS
 
@@ -70,8 +71,7 @@ def export_main(argv: list[str] | None = None) -> int:
     dtype = DTYPES.get(args.dtype)
 
     def export() -> None:
-        from mhar_lightning.eval.loading import load_model  # imports the training module, which imports this package
-        from mhar_lightning.tokenizer import load_tokenizer
+        from mhar_lightning.eval.loading import load_model  # here: the eval package imports lm-eval, where installed
 
         if Path(args.src).is_dir() and (Path(args.src) / CONFIG_FILE).is_file():
             tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None

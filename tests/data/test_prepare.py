@@ -11,7 +11,7 @@ from data_helpers import split_documents
 from mhar_lightning.data import corpus
 from mhar_lightning.data.prepare import discover, main, prepare_files
 from mhar_lightning.data.shards import ShardIndex, TokenStream
-from mhar_lightning.tokenizer import load_tokenizer
+from mhar_lightning.data.tokenizer import load_tokenizer
 
 BYTE = load_tokenizer("byte")
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7) for i in range(400)]

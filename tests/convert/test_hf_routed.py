@@ -15,9 +15,9 @@ from mhar_lightning.cli import main as mhar  # noqa: E402
 from mhar_lightning.config import ModelConfig  # noqa: E402
 from mhar_lightning.convert import ConversionError, export_hf  # noqa: E402
 from mhar_lightning.convert.hf_routed import check_exportable  # noqa: E402
+from mhar_lightning.data.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 from mhar_lightning.eval.generate import generate  # noqa: E402
 from mhar_lightning.eval.loading import load_model  # noqa: E402
-from mhar_lightning.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 

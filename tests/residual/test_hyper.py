@@ -9,8 +9,8 @@ from cli_helpers import fast_demo_args, final_weights, scalars
 from torch import nn
 
 from mhar_lightning.cli import main
+from mhar_lightning.commands.inspect import main as inspect
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.inspect import main as inspect
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import run_probe

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from mhar_lightning.kernels import ENV_BACKEND, reference
+from residual_helpers import randomize_routing
 from torch import nn
 
 from mhar_lightning.config import ModelConfig
@@ -34,14 +35,6 @@ def twin_models(a: Residual, b: Residual, config: ModelConfig = TINY) -> tuple[D
 def backend_device(backend: str) -> torch.device:
     """Where a backend's tests run: the Triton path on the GPU when there is one, else in the CPU interpreter."""
     return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
-
-
-def randomize_routing(model: Decoder, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "residual" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
 
 
 class Unnamed(Residual):

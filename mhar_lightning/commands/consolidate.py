@@ -14,9 +14,8 @@ import torch
 from torch.distributed.checkpoint import TensorStorageMetadata, load
 
 from mhar_lightning.dtypes import DTYPES
-from mhar_lightning.sharded_checkpoint import SafeFileSystemReader, check_sharded_checkpoint
+from mhar_lightning.sharded_checkpoint import META_FILE, SafeFileSystemReader, check_sharded_checkpoint
 
-META_FILE = "meta.pt"  # written by Lightning's ModelParallelStrategy next to the shards
 MODEL_KEY = "state_dict"
 
 

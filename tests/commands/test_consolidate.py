@@ -7,7 +7,7 @@ import pytest
 import torch
 from fsdp_helpers import MHAR, converted_init, run_ranks, tiny_corpus
 
-from mhar_lightning.consolidate import main
+from mhar_lightning.commands.consolidate import main
 from mhar_lightning.module import LanguageModel
 
 

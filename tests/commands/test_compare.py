@@ -10,8 +10,8 @@ import torch
 from cli_helpers import DEMO, scalars
 
 from mhar_lightning.cli import main as mhar
-from mhar_lightning.compare import STRATEGIES
-from mhar_lightning.compare import main as compare
+from mhar_lightning.commands.compare import STRATEGIES
+from mhar_lightning.commands.compare import main as compare
 from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import routing_parameters
