@@ -47,17 +47,25 @@ OWN_FLAGS = {"--recipe", "--seeds", "--out", "--baseline", "--only", "--max-runs
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the runner's own arguments, `--section.key value...` overrides passed on to every `mhar fit`)."""
+    """(the runner's own arguments, `--section.key value` overrides passed on to every `mhar fit`).
+
+    An override takes one value (`--section.key value` or `--section.key=value`); other words are the runner's, so
+    variants may come before or after the overrides.
+    """
     own: list[str] = []
     overrides: list[str] = []
-    target = own
+    takes_value = False
     for arg in argv:
-        flag = arg.partition("=")[0]
-        if arg.startswith("--") and "." in flag and flag not in OWN_FLAGS:
-            target = overrides
-        elif arg.startswith("--"):
-            target = own
-        target.append(arg)
+        flag, has_value, _ = arg.partition("=")
+        if takes_value and not arg.startswith("--"):
+            overrides.append(arg)
+            takes_value = False
+        elif arg.startswith("--") and "." in flag and flag not in OWN_FLAGS:
+            overrides.append(arg)
+            takes_value = not has_value
+        else:
+            own.append(arg)
+            takes_value = False
     return own, overrides
 
 
