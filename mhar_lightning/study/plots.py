@@ -52,7 +52,8 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
         ax.set_ylabel(title)
         ax.set_title(f"{title} (band: min-max over seeds)", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:  # a run too short to log a training loss leaves its panel empty
+            ax.legend(fontsize=7)
     return fig
 
 
