@@ -74,7 +74,7 @@ def scalar_columns(scalars: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]
     return {group: [values for _, values in sorted(members, key=lambda m: m[0])] for group, members in columns.items()}
 
 
-def summary_table(maps: DepthMaps, title: str) -> Table:
+def summary_table(maps: DepthMaps) -> Table:
     """One row per routing site: concentration, embedding/recent weight, top source, head disagreement (with several
     heads), and every scalar the strategy records (a gate; write weights, one per stream, in one column)."""
     caption = (
@@ -86,7 +86,7 @@ def summary_table(maps: DepthMaps, title: str) -> Table:
         columns.update({"JS": maps.head_js(), "JS q": maps.query_head_js()})
     columns = {name: values for name, values in columns.items() if values is not None}
     extra = scalar_columns(maps.scalars)
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("site", no_wrap=True)
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
     if not routers_of(model):
         residual = model.hparams["residual"]["class_path"]
-        err.print(f"{args.checkpoint}: residual {residual} has no depth routing to inspect.", style="red", markup=False)
+        err.print(f"{args.checkpoint}: residual {residual} has no depth routing to inspect.", style="red", markup=False, soft_wrap=True)
         return 2
     settings = run_settings(args.checkpoint)
     tokenizer = args.tokenizer or settings.get("tokenizer", "byte")
@@ -135,18 +135,19 @@ def main(argv: list[str] | None = None) -> int:
                 f" {model.model_config.vocab_size}-token vocabulary"
             )
     except (OSError, ValueError) as error:
-        err.print(f"mhar inspect: {error}", style="red", markup=False)
+        err.print(f"mhar inspect: {error}", style="red", markup=False, soft_wrap=True)
         return 2
     maps = run_probe(model, tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     depth_grid_figure(maps, f" · {args.checkpoint.name}").savefig(args.out)
     if args.npz:
         maps.save(args.npz)
-    title = (
-        f"{args.checkpoint.name}: {maps.heads} head(s), probe {tokens.shape[0]} x {tokens.shape[1]} tokens of {source}"
+    console.print(  # paths print whole on one line, to be copied
+        f"{args.checkpoint.name}: {maps.heads} head(s), probe {tokens.shape[0]} x {tokens.shape[1]} tokens of {source}",
+        soft_wrap=True,
     )
-    console.print(summary_table(maps, title))
-    console.print(f"maps written to {args.out}" + (f", raw weights to {args.npz}" if args.npz else ""))
+    console.print(summary_table(maps))
+    console.print(f"maps written to {args.out}" + (f", raw weights to {args.npz}" if args.npz else ""), soft_wrap=True)
     return 0
 
 
