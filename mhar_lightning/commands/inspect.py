@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
     if not routers_of(model):
         residual = model.hparams["residual"]["class_path"]
-        err.print(f"{args.checkpoint}: residual {residual} has no depth routing to inspect.", style="red", markup=False, soft_wrap=True)
+        message = f"{args.checkpoint}: residual {residual} has no depth routing to inspect."
+        err.print(message, style="red", markup=False, soft_wrap=True)
         return 2
     settings = run_settings(args.checkpoint)
     tokenizer = args.tokenizer or settings.get("tokenizer", "byte")
