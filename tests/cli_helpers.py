@@ -1,19 +1,25 @@
-"""Shared pieces of the CLI, recipe, resume and callback tests: fast overrides, a stop callback, event readers and
-a two-process DDP launch."""
+"""Shared pieces of the CLI, recipe, resume and callback tests: fast overrides, a stop callback, event readers,
+copies of a finished run and a two-process DDP launch."""
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "recipes" / "demo.yaml"
 DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+DDP_STEPS = 8  # steps of conftest's `ddp_demo_run`
 
 
 def fast_demo_args(root: Path, max_steps: int) -> list[str]:
@@ -34,6 +40,30 @@ def fast_demo_args(root: Path, max_steps: int) -> list[str]:
         "--data.batch_size", "4",
         "--data.val_samples", "8",
     ]  # fmt: skip
+
+
+PROBES = ("mhar_lightning.callbacks.DepthAttentionLogger", "mhar_lightning.callbacks.HeadDisagreementProbe")
+NO_PROBES = [
+    "--trainer.callbacks",
+    json.dumps([c for c in yaml.safe_load((DEMO.parent / "base.yaml").read_text())["trainer"]["callbacks"]
+                if c["class_path"] not in PROBES]),
+]  # fmt: skip
+"""The recipe's callbacks without the depth probes, whose heatmaps take seconds to draw at the end of training: for
+runs whose probes no test reads (the probes' own tests, and runs that other tests read, keep them)."""
+
+
+@contextlib.contextmanager
+def corpus_cache(cache: Path) -> Iterator[None]:
+    """`MHAR_CACHE_DIR` set to `cache` (conftest's `stdlib_cache`) inside, for fixtures wider than one test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MHAR_CACHE_DIR", str(cache))
+        yield
+
+
+def copy_run(run: Path, root: Path) -> Path:
+    """A copy of the finished run `run` (conftest's `demo_run`) in `root`, as if it had been trained there."""
+    shutil.copytree(run, root, dirs_exist_ok=True)
+    return root
 
 
 class StopAtStep(L.Callback):

@@ -1,10 +1,12 @@
-"""Test setup: Triton kernels in the CPU interpreter when no GPU is present; every test offline and cache-free."""
+"""Test setup: Triton kernels in the CPU interpreter when no GPU is present; every test offline and cache-free, with
+the default corpus and a short demo run prepared once per session for the tests that ask for them."""
 
 import atexit
 import os
 import shutil
 import socket
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +68,72 @@ def offline_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
         connect(sock, address)
 
     monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+
+
+@pytest.fixture(scope="session")
+def stdlib_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache folder (`MHAR_CACHE_DIR`) holding the default corpus, the standard library as byte tokens: prepared once
+    a session instead of in every test that trains on it (about 10 MB of text to tokenize)."""
+    from mhar_lightning.data.corpus import ensure_corpus
+    from mhar_lightning.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("mhar-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MHAR_CACHE_DIR", str(root))
+        ensure_corpus(load_tokenizer("byte"), progress=False)
+    return root
+
+
+@pytest.fixture
+def default_corpus(stdlib_cache: Path, offline_env: None) -> None:
+    """The session's prepared default corpus, linked into this test's otherwise empty cache folder (shards are
+    read-only to the kit, and their checksums are verified whenever a data module opens them)."""
+    cache = Path(os.environ["MHAR_CACHE_DIR"])
+    cache.mkdir(parents=True, exist_ok=True)
+    for corpus in stdlib_cache.iterdir():
+        (cache / corpus.name).symlink_to(corpus, target_is_directory=True)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -> Path:
+    """A finished two-step `mhar fit` of the demo recipe (`fast_demo_args`: `checkpoints/last.ckpt` at step 2 and its
+    TensorBoard run), for tests that need a trained run to resume, damage or validate: they copy it (`copy_run`)."""
+    from cli_helpers import corpus_cache, fast_demo_args
+
+    from mhar_lightning.cli import main
+
+    root = tmp_path_factory.mktemp("demo-run")
+    with corpus_cache(stdlib_cache):
+        main(fast_demo_args(root, max_steps=2))
+    return root
+
+
+@pytest.fixture(scope="session")
+def ddp_demo_run(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -> Path:
+    """`mhar fit` of the demo recipe (`fast_demo_args`, `DDP_STEPS` steps) on 2 DDP processes (gloo, CPU), read by
+    the resume test as its uninterrupted run and by the depth-attention test (both ranks probe at the end)."""
+    from cli_helpers import DDP_STEPS, corpus_cache, fast_demo_args, run_ddp
+
+    root = tmp_path_factory.mktemp("ddp-run")
+    with corpus_cache(stdlib_cache):
+        run_ddp(fast_demo_args(root, DDP_STEPS))
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A three-step `mhar fit` of the demo recipe, probes included, on forty standard-library files (`small_corpus`):
+    the depth-attention test reads its TensorBoard run and `mhar inspect` its checkpoint."""
+    from probe_helpers import demo_fit, small_corpus
+
+    corpus = small_corpus(tmp_path_factory.mktemp("data") / "small")
+    return demo_fit(tmp_path_factory.mktemp("small-run"), corpus, 3)
+
+
+@pytest.fixture(scope="session")
+def trained_mhar_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """`eval_helpers.trained_checkpoint` of the demo's MHAR model, (last.ckpt, prepared data), read by the evaluate
+    and lm-evaluation-harness tests."""
+    from eval_helpers import trained_checkpoint
+
+    return trained_checkpoint(tmp_path_factory.mktemp("mhar-run"))

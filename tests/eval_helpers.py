@@ -55,12 +55,12 @@ def tiny_corpus(root: Path) -> Path:
 
 def trained_checkpoint(root: Path, residual: str = "mhar", *overrides: str) -> tuple[Path, Path]:
     """A two-step `mhar fit` of the demo recipe on `tiny_corpus` with `residual`: (last.ckpt, prepared folder)."""
-    from cli_helpers import fast_demo_args
+    from cli_helpers import NO_PROBES, fast_demo_args
 
     from mhar_lightning.cli import main as mhar
 
     data = tiny_corpus(root)
-    args = [*fast_demo_args(root, 2), "--data.path", str(data), "--model.residual", residual, *overrides]
+    args = [*fast_demo_args(root, 2), *NO_PROBES, "--data.path", str(data), "--model.residual", residual, *overrides]
     try:
         mhar([*args, "--data.seq_len", "16", "--checkpoint.every_n_train_steps", "2"])
     except SystemExit as exit_:

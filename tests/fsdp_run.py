@@ -7,6 +7,8 @@ parameter elements), the first optimizer step's gradients to `OUT/first-grads.pt
 weights to `OUT/gathered.pt`. `--kill-at` ends every rank abruptly after that step, as a pre-emption would.
 `--probe-every N` adds the depth-attention probe, whose maps land in `OUT/depth_attention/`.
 `--inf-loss-at STEP` makes the loss of rank 1 alone infinite at that step (its gradients stay finite).
+
+`run(argv)` trains in the calling process: the multi-process tests take their one-process references so.
 """
 
 import argparse
@@ -27,8 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import full_tensor
-
-torch.set_num_threads(1)
 
 
 class Record(L.Callback):
@@ -61,7 +61,8 @@ class Record(L.Callback):
             os._exit(17)
 
 
-def main() -> None:
+def run(argv: list[str] | None = None) -> None:
+    """Train as the command line `argv` (default: this process's) asks."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data", required=True)
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--inf-loss-at", type=int, help="make rank 1's loss infinite at this (1-based) step")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--param-dtype", default="float32", help="FSDP2 compute dtype of the parameters")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compiled_autograd and args.accelerator == "cpu":
         torch._inductor.compile = lambda graph, inputs: graph
@@ -159,6 +160,11 @@ def main() -> None:
         callbacks=callbacks,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    run()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # Skip interpreter teardown, where 2 of 57 runs under load aborted ("terminate called without an active

@@ -4,18 +4,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import fast_demo_args
+from cli_helpers import copy_run, fast_demo_args
 from test_cli import run
 
-from mhar_lightning.cli import main
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A run directory whose `checkpoints/last.ckpt` is the demo's MHAR model after one step."""
-    root = tmp_path_factory.mktemp("trained")
-    main(fast_demo_args(root, max_steps=1))
-    return root
+def trained(tmp_path_factory, demo_run: Path) -> Path:
+    """A run directory whose `checkpoints/last.ckpt` is the demo's MHAR model after two steps."""
+    return copy_run(demo_run, tmp_path_factory.mktemp("trained"))
 
 
 @pytest.mark.parametrize(
@@ -49,11 +47,11 @@ def test_runtime_flags_change_on_resume_and_the_rest_comes_from_the_checkpoint(t
     root = trained.parent / "resumed"
     ckpt = trained / "checkpoints" / "last.ckpt"
     code, _, err = run(
-        [*fast_demo_args(root, max_steps=2), "--ckpt_path", str(ckpt), "--model.skip_nonfinite", "2"], capsys
+        [*fast_demo_args(root, max_steps=3), "--ckpt_path", str(ckpt), "--model.skip_nonfinite", "2"], capsys
     )
     assert code == 0, err
     resumed = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)
-    assert resumed["global_step"] == 2 and resumed["hyper_parameters"]["skip_nonfinite"] == 2
+    assert resumed["global_step"] == 3 and resumed["hyper_parameters"]["skip_nonfinite"] == 2
     code, out, err = run(
         [
             "validate",

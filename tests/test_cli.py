@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_helpers import DEMO, fast_demo_args, scalars
+from cli_helpers import DEMO, copy_run, fast_demo_args, scalars
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import mhar_lightning.checkpoint_io
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.cli import MharCLI, main
+
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:
@@ -88,8 +90,8 @@ def test_an_argument_that_does_not_fit_is_one_line(tmp_path: Path, capsys, flag,
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_resuming_with_another_tokenizer_is_refused_before_training(tmp_path: Path, capsys) -> None:
-    main(fast_demo_args(tmp_path, max_steps=2))
+def test_resuming_with_another_tokenizer_is_refused_before_training(tmp_path: Path, capsys, demo_run: Path) -> None:
+    copy_run(demo_run, tmp_path)  # `mhar fit`, two steps
     before = (tmp_path / "checkpoints" / "last.ckpt").stat().st_mtime_ns
     ranks = tmp_path / "tiny.tiktoken"  # a 257-token BPE (256 bytes + one merge): model vocab 320, not 256
     ranks.write_bytes(
@@ -128,8 +130,8 @@ def test_help_lists_trainer_subcommands_and_tools(capsys) -> None:
     assert code == 0 and "mhar prepare" in out
 
 
-def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch, capsys) -> None:
-    main(fast_demo_args(tmp_path, max_steps=2))
+def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch, capsys, demo_run) -> None:
+    copy_run(demo_run, tmp_path)  # `mhar fit`, two steps
     real_save = torch.save
 
     def save_half_then_crash(obj, f) -> None:

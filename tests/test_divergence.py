@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, fast_demo_args, scalars
+from cli_helpers import DEMO, NO_PROBES, fast_demo_args, scalars
 from fsdp_helpers import run_ranks, tiny_corpus
 from test_cli import run
 
 from mhar_lightning.module import LanguageModel
+
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 def checkpoint(path: Path) -> dict:
@@ -59,6 +61,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step(tmp_path: Path, capsys, monkey
 def test_skip_nonfinite_drops_the_bad_step_and_logs_it(tmp_path: Path, capsys, monkeypatch) -> None:
     nan_loss_at(monkeypatch, 3)
     args = [*fast_demo_args(tmp_path, max_steps=4), "--model.skip_nonfinite", "1", "--checkpoint.save_top_k", "-1"]
+    args += NO_PROBES
     message = r"step 3: the loss is not finite and the gradient norm is nan; skipped it \(1 of 1 in a row\)"
     with pytest.warns(UserWarning, match=message):
         code, _, err = run(args, capsys)
@@ -87,9 +90,8 @@ def test_weights_that_became_non_finite_are_not_saved(tmp_path: Path, capsys, mo
     assert saved["global_step"] == 2 and all_finite(saved["state_dict"])
 
 
-def test_a_non_finite_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
-    run(fast_demo_args(tmp_path, max_steps=1), capsys)
-    saved = checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+def test_a_non_finite_checkpoint_is_refused(tmp_path: Path, capsys, demo_run: Path) -> None:
+    saved = checkpoint(demo_run / "checkpoints" / "last.ckpt")
     name = next(iter(saved["state_dict"]))
     saved["state_dict"][name] = torch.full_like(saved["state_dict"][name], float("nan"))
     torch.save(saved, tmp_path / "nan.ckpt")

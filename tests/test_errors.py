@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, fast_demo_args
+from cli_helpers import DEMO, copy_run, fast_demo_args
 from test_cli import run
 
 import mhar_lightning.checkpoint_io
@@ -15,6 +15,8 @@ import mhar_lightning.preflight
 from mhar_lightning.cli import main
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.data.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 def last_line(err: str) -> str:
@@ -77,8 +79,10 @@ def test_too_little_disk_space_for_a_checkpoint_is_refused_at_start(tmp_path: Pa
     )
 
 
-def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path: Path, capsys, monkeypatch):
-    main(fast_demo_args(tmp_path, max_steps=2))
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path: Path, capsys, monkeypatch, demo_run: Path
+) -> None:
+    copy_run(demo_run, tmp_path)  # `mhar fit`, two steps
 
     def save_half_then_fail(obj, f) -> None:
         f.write(b"\0" * 1000)
@@ -112,11 +116,10 @@ def test_seq_len_longer_than_a_split_names_the_split(tmp_path: Path, capsys) -> 
 
 @pytest.mark.parametrize("content", ["text", "random", "truncated"])
 @pytest.mark.parametrize("command", ["fit", "inspect"])
-def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys, content: str, command: str) -> None:
+def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys, content: str, command: str, demo_run: Path) -> None:
     bad = tmp_path / "bad.ckpt"
-    if content == "truncated":
-        main(fast_demo_args(tmp_path / "run", max_steps=1))
-        bad.write_bytes((tmp_path / "run" / "checkpoints" / "last.ckpt").read_bytes()[:100_000])
+    if content == "truncated":  # a real checkpoint, cut short
+        bad.write_bytes((demo_run / "checkpoints" / "last.ckpt").read_bytes()[:100_000])
     else:
         bad.write_bytes(b"hello\n" if content == "text" else os.urandom(5000))
     args = fit_args(tmp_path, "--ckpt_path", str(bad)) if command == "fit" else ["inspect", str(bad)]

@@ -17,6 +17,7 @@ from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
 
 MHAR = {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 2}}
+pytestmark = pytest.mark.usefixtures("default_corpus")  # tiny_data() reads the default corpus
 
 
 def tiny_model(**kwargs) -> LanguageModel:

@@ -5,6 +5,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import fsdp_run
 import numpy as np
 import pytest
 import torch
@@ -44,6 +45,17 @@ def _run(workdir: Path, name: str, *args: str, timeout: float = 120) -> Path:
     return out
 
 
+def _run_here(workdir: Path, name: str, *args: str) -> Path:
+    """`_run` of one process, in this one (on one thread, as each rank runs): no interpreter to start."""
+    out, threads = workdir / name, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fsdp_run.run(["--out", str(out), "--data", str(workdir / "corpus"), "--steps", str(STEPS), *args])
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def _mean_losses(out: Path, ranks: int) -> list[float]:
     per_rank = [losses(out, r) for r in range(ranks)]
     assert all(sorted(p) == list(range(1, STEPS + 1)) for p in per_rank)
@@ -70,7 +82,7 @@ def test_sharded_losses_match_one_process(
     tag = init.name
     common = ["--init", str(init), "--residual", json.dumps(residual), *([] if tie else ["--untied"])]
     common += ["--probe-every", str(STEPS)]
-    single = _run(workdir, f"single-{tag}", *common, "--devices", "1", "--batch", str(GLOBAL_BATCH))
+    single = _run_here(workdir, f"single-{tag}", *common, "--devices", "1", "--batch", str(GLOBAL_BATCH))
     sharded = _run(
         workdir,
         f"sharded-{tag}-{devices}",
@@ -107,13 +119,15 @@ def test_activation_checkpointing_keeps_loss_and_gradients(monkeypatch, mode: st
     """Recomputing checkpointed blocks changes no gradient, also through the fused kernels (in the interpreter)."""
     monkeypatch.setenv(ENV_BACKEND, backend)
     torch.manual_seed(0)
-    plain = LanguageModel(residual=MHAR, seq_len=16)
+    residual = {**MHAR, "init_args": {**MHAR["init_args"], "blocks": 2}}  # blocks of 2 sublayers, as MHAR's 4 of 8
+    two_blocks = {"n_layers": 2}
+    plain = LanguageModel(residual=residual, seq_len=8, model_overrides=two_blocks)
     plain.configure_model()
-    checkpointed = LanguageModel(residual=MHAR, seq_len=16)
+    checkpointed = LanguageModel(residual=residual, seq_len=8, model_overrides=two_blocks)
     checkpointed.configure_model()
     checkpointed.decoder.load_state_dict(plain.decoder.state_dict())
     apply_activation_checkpointing(checkpointed.decoder, mode)
-    batch = torch.randint(0, 256, (1, 17))  # 16 rows: each row is an interpreted program of the routing kernels
+    batch = torch.randint(0, 256, (1, 9))  # 8 rows: each row is an interpreted program of the routing kernels
     for model in (plain, checkpointed):
         model.loss(batch).backward()
     assert list(checkpointed.decoder.state_dict()) == list(plain.decoder.state_dict())

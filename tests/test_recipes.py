@@ -1,5 +1,6 @@
 """Every recipe parses through its `# base:` chain and instantiates; big models are built on the meta device."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from mhar_lightning.callbacks import FinalStepCheckpoint
 
 from mhar_lightning.cli import MharCLI, recipe_chain
+from mhar_lightning.data import datamodule
 from mhar_lightning.residual import MHAR, AttnRes, HyperConnections, Residual, SumResidual
 
 RECIPES = REPO / "recipes"
@@ -28,6 +30,15 @@ ONE_DEVICE = (  # one GPU as the recipe's precision asks (the FSDP recipes ask f
     if torch.cuda.is_available()
     else ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32-true"]
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizers_read_once():
+    """The recipes' data modules load a few tokenizers (gpt2 for every pretraining recipe): each is read and its
+    rank file verified once for this module, not once per recipe."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datamodule, "load_tokenizer", functools.cache(datamodule.load_tokenizer))
+        yield
 
 
 def user_files(recipe: Path, tmp_path: Path) -> list[str]:

@@ -9,22 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import fast_demo_args, final_weights, run_ddp, scalars
+from cli_helpers import DDP_STEPS, NO_PROBES, fast_demo_args, final_weights, run_ddp, scalars
 
 from mhar_lightning.cli import main
 
-N, K = 8, 4
+N, K = DDP_STEPS, 4
 STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", f"--trainer.callbacks.step={K}"]
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 @pytest.mark.parametrize("launch", [main, run_ddp], ids=["single", "ddp-2"])
-def test_stop_and_resume_equals_uninterrupted(tmp_path: Path, launch) -> None:
+def test_stop_and_resume_equals_uninterrupted(tmp_path: Path, launch, request: pytest.FixtureRequest) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    launch(fast_demo_args(full, N))
-    launch(fast_demo_args(resumed, N) + STOP)
+    if launch is run_ddp:
+        full = request.getfixturevalue("ddp_demo_run")  # the uninterrupted DDP run, which the probe test reads too
+    else:
+        launch(fast_demo_args(full, N) + NO_PROBES)  # no test reads this run's depth maps: none are drawn
+    launch(fast_demo_args(resumed, N) + NO_PROBES + STOP)
     stopped_at = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
     assert stopped_at == K
-    launch(fast_demo_args(resumed, N) + ["--ckpt_path", "last"])
+    launch(fast_demo_args(resumed, N) + NO_PROBES + ["--ckpt_path", "last"])
 
     reference = scalars(full, "train/loss")
     after_resume = scalars(resumed, "train/loss", version=-1)

@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import fast_demo_args, run_ddp
+from cli_helpers import DDP_STEPS
 from mhar_lightning.callbacks import DepthAttentionLogger
 from mhar_lightning.callbacks.plots import CMAP, NORM, depth_map_figure, to_image
-from probe_helpers import RecordingLogger, demo_fit, events, fake_trainer, log_at_train_end, scalar, small_corpus
+from probe_helpers import RecordingLogger, events, fake_trainer, log_at_train_end, scalar
 
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps
@@ -16,14 +16,8 @@ from mhar_lightning.probe import DepthMaps
 DELTA_SPEC = {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 2, "block_size": 1}}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return small_corpus(tmp_path_factory.mktemp("data") / "small")
-
-
-def test_demo_fit_logs_maps_and_scalars(tmp_path, corpus):
-    root = demo_fit(tmp_path / "run", corpus, 3)  # the recipe's loggers probe at the end of training
-    log_dir = root / "tensorboard" / "version_0"
+def test_demo_fit_logs_maps_and_scalars(small_demo_run: Path):
+    log_dir = small_demo_run / "tensorboard" / "version_0"  # 3 steps: the recipe's loggers probe at the end
     accumulator = events(log_dir)
     tags = accumulator.Tags()
     assert {f"depth_attention/head_{h}" for h in range(4)} | {"depth_attention/mean"} <= set(tags["images"])
@@ -36,16 +30,15 @@ def test_demo_fit_logs_maps_and_scalars(tmp_path, corpus):
     assert scalar(accumulator, "depth_emb_weight/attn_0") == pytest.approx(1.0)  # the first sublayer sees only emb
 
 
-def test_two_ddp_ranks_probe_together_into_one_run(tmp_path, corpus):
-    """`mhar fit` on 2 DDP processes (gloo, CPU): both ranks run the probes (a collective) without deadlock, and the
-    run has one TensorBoard folder and one `.npz`. Its weights are the mean over ranks of softmax maps, so each
-    site's still sum to 1 (a sum over ranks would give 2)."""
-    root = tmp_path / "run"
-    run_ddp([*fast_demo_args(root, 3), "--data.path", str(corpus)])
-    runs = sorted((root / "tensorboard").iterdir())
+def test_two_ddp_ranks_probe_together_into_one_run(ddp_demo_run: Path):
+    """`mhar fit` on 2 DDP processes (gloo, CPU; conftest's `ddp_demo_run`): both ranks run the probes (a collective)
+    without deadlock, and the run has one TensorBoard folder and one `.npz`. Its weights are the mean over ranks of
+    softmax maps, so each site's still sum to 1 (a sum over ranks would give 2)."""
+    runs = sorted((ddp_demo_run / "tensorboard").iterdir())
+    npz = f"step_{DDP_STEPS:07d}.npz"
     assert [run.name for run in runs] == ["version_0"]
-    assert sorted(p.name for p in (runs[0] / "depth_attention").iterdir()) == ["step_0000003.npz"]
-    saved = DepthMaps.load(runs[0] / "depth_attention" / "step_0000003.npz")
+    assert sorted(p.name for p in (runs[0] / "depth_attention").iterdir()) == [npz]
+    saved = DepthMaps.load(runs[0] / "depth_attention" / npz)
     np.testing.assert_allclose(np.nansum(saved.weights, axis=-1), 1.0, rtol=1e-5)
     tags = events(runs[0]).Tags()
     assert "depth_attention/mean" in tags["images"] and "head_js/final" in tags["scalars"]

@@ -14,6 +14,7 @@ from cli_helpers import DEMO, env_with_tests_on_path, fast_demo_args
 
 from mhar_lightning.cli import MharCLI
 
+pytestmark = pytest.mark.usefixtures("default_corpus")
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")
 """Tensor methods that copy a value to the host (on a GPU: wait for every kernel queued before it)."""
 

@@ -33,6 +33,7 @@ class MetricsLogger(Logger):
         pass
 
 
+@pytest.mark.usefixtures("default_corpus")
 def test_windows_of_steps_are_logged_one_window_late(tmp_path, monkeypatch):
     """Seven steps in windows of two: each window's tokens, samples and FLOPs over its clock time, logged at the
     step that ends it once the next window has ended (the last one at the end of training). The clock ticks one

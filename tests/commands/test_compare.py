@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, scalars
+from cli_helpers import DEMO, corpus_cache, scalars
 
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.commands.compare import STRATEGIES
@@ -35,6 +35,7 @@ FAST = [
 ]  # fmt: skip
 GRID = ["sum", "mhar-block", "--seeds", "0", "1", "--recipe", str(DEMO)]
 STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", "--trainer.callbacks.step=3"]
+pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
 def final_step(run: Path) -> int:
@@ -47,9 +48,13 @@ def events(run: Path) -> dict[Path, float]:
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def study(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -> Path:
     """The grid trained in two calls: one finished run and one interrupted run first, then the rest, two at a time."""
-    out = tmp_path_factory.mktemp("study")
+    with corpus_cache(stdlib_cache):
+        return _study(tmp_path_factory.mktemp("study"))
+
+
+def _study(out: Path) -> Path:
     assert compare([*GRID, "--out", str(out), "--time-budget", "1", *FAST]) == 0  # no time for a second run
     finished = run_dir(out, "sum", 0)
     assert (finished / "result.json").is_file() and not run_dir(out, "mhar-block", 0).exists()

@@ -6,7 +6,6 @@ import lightning
 import matplotlib.image
 import pytest
 import torch
-from probe_helpers import demo_fit, small_corpus
 
 from mhar_lightning.commands.inspect import main
 from mhar_lightning.module import LanguageModel
@@ -14,10 +13,8 @@ from mhar_lightning.probe import DepthMaps
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    corpus = small_corpus(tmp_path_factory.mktemp("data") / "small")
-    root = demo_fit(tmp_path_factory.mktemp("run"), corpus, 2, "--trainer.callbacks", "[]")
-    return root / "checkpoints" / "last.ckpt"
+def checkpoint(small_demo_run: Path) -> Path:
+    return small_demo_run / "checkpoints" / "last.ckpt"  # the demo model after 3 steps on forty stdlib files
 
 
 def test_inspect_a_text_file(tmp_path, checkpoint, capsys):

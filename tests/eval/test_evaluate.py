@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from eval_helpers import random_decoder, trained_checkpoint
+from eval_helpers import random_decoder
 
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data.shards import TokenStream
@@ -16,8 +16,8 @@ from mhar_lightning.eval.loading import load_model
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return trained_checkpoint(tmp_path_factory.mktemp("run"))
+def run(trained_mhar_run):
+    return trained_mhar_run  # (last.ckpt, prepared data) of a two-step MHAR fit, shared with the other eval tests
 
 
 def reference_loss(model, tokens: list[int], bos: int, window: int) -> float:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import fast_demo_args, final_weights, scalars
+from cli_helpers import corpus_cache, fast_demo_args, final_weights, scalars
 from torch import nn
 
 from mhar_lightning.cli import main
@@ -149,13 +149,14 @@ def test_probe_shows_read_weights_over_streams_and_write_weights() -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -> tuple[Path, Path]:
     """`mhar fit` with hyper-connections: N steps in one go, and stopped after K then resumed to N."""
     root = tmp_path_factory.mktemp("hc")
     full, resumed = root / "full", root / "resumed"
-    main(fast_demo_args(full, N) + HC)
-    main(fast_demo_args(resumed, N) + HC + STOP)
-    main(fast_demo_args(resumed, N) + HC + ["--ckpt_path", "last"])
+    with corpus_cache(stdlib_cache):
+        main(fast_demo_args(full, N) + HC)
+        main(fast_demo_args(resumed, N) + HC + STOP)
+        main(fast_demo_args(resumed, N) + HC + ["--ckpt_path", "last"])
     return full, resumed
 
 

@@ -83,6 +83,7 @@ def test_entry_point_names_are_listed_and_imported_on_use(plugin: Path) -> None:
         make_residual("broken")
 
 
+@pytest.mark.usefixtures("default_corpus")
 def test_a_registered_name_trains_from_a_recipe(tmp_path: Path) -> None:
     """`residual: rezero` in YAML, in a fresh `mhar fit` process that has the plugin installed and nothing else."""
     site = install_plugin(tmp_path / "site")
