@@ -75,7 +75,7 @@ def stdlib_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder (`MHAR_CACHE_DIR`) holding the default corpus, the standard library as byte tokens: prepared once
     a session instead of in every test that trains on it (about 10 MB of text to tokenize)."""
     from mhar_lightning.data.corpus import ensure_corpus
-    from mhar_lightning.tokenizer import load_tokenizer
+    from mhar_lightning.data.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("mhar-cache")
     with pytest.MonkeyPatch.context() as patch:

@@ -41,6 +41,11 @@ def tokenizers_read_once():
         yield
 
 
+CAPTURE_OFF = {"100m-hc.yaml", "350m-hc.yaml", "6m.yaml"}
+"""GPU recipes outside FSDP that leave compiled autograd off: hyper-connections' captured backward compiled too slowly
+on the card, and the study trains every method, hyper-connections too, with the same options."""
+
+
 def user_files(recipe: Path, tmp_path: Path) -> list[str]:
     """Overrides for files a user makes first: the byte tokenizer stands in for a model's tokenizer, and a converted
     directory without weights (`stand_in_converted`) for `model.init_from`."""
@@ -87,7 +92,8 @@ def test_every_variant_has_a_recipe() -> None:
 def test_leaf_recipes_hold_only_what_differs(recipe: Path) -> None:
     config = yaml.safe_load(recipe.read_text())
     assert config.keys() == {"trainer", "model"}
-    assert config["trainer"].keys() == {"default_root_dir"} and config["model"].keys() == {"residual"}
+    assert config["trainer"].keys() == {"default_root_dir"}
+    assert config["model"].keys() == {"residual"} | ({"compiled_autograd"} if recipe.name in CAPTURE_OFF else set())
     assert recipe_chain(recipe)[0] == (RECIPES / "base.yaml").resolve()
 
 
@@ -113,9 +119,9 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
         assert model.model_config.to_dict() == {**stored["model"], "max_seq_len": data.seq_len}
         assert model.residual.spec()["init_args"] == stored["residual"]["args"]
 
-    sharded = recipe.parent.name == "fsdp"
+    captured = recipe.parent.name != "fsdp" and recipe.name not in CAPTURE_OFF
     gpu = recipe.name != "demo.yaml"  # every GPU recipe runs compiled; the CPU demo stays eager
-    assert (model.parallel_config.compile, model.compiled_autograd) == (gpu, "auto" if gpu and not sharded else False)
+    assert (model.parallel_config.compile, model.compiled_autograd) == (gpu, "auto" if gpu and captured else False)
     if recipe.name == "demo.yaml":
         model.configure_model()
         assert model.decoder.embed.weight.device.type == "cpu"
