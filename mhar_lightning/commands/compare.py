@@ -254,9 +254,21 @@ def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `mhar compare`; returns the process exit code. Lightning's info lines are silenced meanwhile."""
     args, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        return study(args, overrides)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def study(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Train the study's unfinished runs (unless `--report-only`), then report every finished run."""
     console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
     unfinished = 0
     try:
