@@ -40,6 +40,7 @@ from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, t
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.optim import build_optimizer
 from mhar_lightning.parallel import compiled_backward
+from mhar_lightning.terminal import quiet_third_party_noise
 
 
 def random_corpus(directory: Path, tokenizer_name: str, tokens: int) -> Path:
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        quiet_third_party_noise()  # the runs' output reads as `mhar fit`'s does
         spec = json.loads(Path(args.child).read_text())
         Path(spec["out"]).write_text(json.dumps(child(spec)))
         return
