@@ -69,6 +69,25 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return own, overrides
 
 
+def seeds_last(own: list[str]) -> list[str]:
+    """`own` with `--seeds` and its whole numbers moved to the end, so that in `--seeds 0 1 sum mhar` the words after
+    the numbers stay variants, in their order."""
+    rest: list[str] = []
+    seeds: list[str] = []
+    words = iter(own)
+    for word in words:
+        if word != "--seeds":
+            rest.append(word)
+            continue
+        seeds.append(word)
+        for word in words:
+            if not word.isdigit():
+                rest.append(word)
+                break
+            seeds.append(word)
+    return rest + seeds
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="mhar compare",
@@ -115,7 +134,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="start every run from DIR/seed<k>/checkpoints/last.ckpt converted to the variant's strategy",
     )
     own, overrides = split_overrides(argv)
-    args = parser.parse_args(own)
+    args = parser.parse_intermixed_args(seeds_last(own))
     if args.report_only:
         args.out = Path(args.report_only)
     if not args.variants and args.report_only is None:

@@ -10,7 +10,7 @@ import torch
 from cli_helpers import DEMO, corpus_cache, scalars
 
 from mhar_lightning.cli import main as mhar
-from mhar_lightning.commands.compare import STRATEGIES
+from mhar_lightning.commands.compare import STRATEGIES, parse_args
 from mhar_lightning.commands.compare import main as compare
 from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
@@ -125,6 +125,20 @@ def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> No
     assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
     assert "was started as" in capsys.readouterr().out
     assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
+
+
+def test_variants_seeds_and_overrides_in_any_order(capsys) -> None:
+    argv = ["--seeds", "0", "1", "sum", "--out", "x", "--trainer.max_steps", "3", "mhar", "--jobs", "2", "attnres"]
+    args, overrides = parse_args(argv)
+    assert (args.variants, args.seeds, args.jobs, overrides) == (
+        ["sum", "mhar", "attnres"],
+        [0, 1],
+        2,
+        ["--trainer.max_steps", "3"],
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["sum", "--seeds", "one"])
+    assert "argument --seeds: expected at least one argument" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
