@@ -1,11 +1,12 @@
 """A Llama-shaped Hugging Face checkpoint with random weights and a tokenizer of its vocabulary size, to run the
 mid-training path (convert, FSDP2, resume, consolidate, generate) at a real model's width without its weights.
 
-    python benchmarks/random_llama.py OUT --shape llama3-8b [--layers 8] --corpus DIR
+    python benchmarks/random_llama.py OUT --preset llama3-8b [--layers 8] --corpus DIR
 
-OUT gets `config.json`, bf16 safetensors shards with their index, and a byte-level BPE `tokenizer.json` trained on
-the text files under `--corpus` and padded with reserved special tokens to exactly the shape's vocabulary, as Llama 3
-pads its own. Weights are drawn N(0, 0.02) (norm gains 1), one tensor at a time, so memory holds one shard.
+The shape is one of the kit's model presets, with an untied head as Llama 3's. OUT gets `config.json`, bf16
+safetensors shards with their index, and a byte-level BPE `tokenizer.json` trained on the text files under `--corpus`
+and padded with reserved special tokens to exactly the model's vocabulary, as Llama 3 pads its own. Weights are drawn
+N(0, 0.02) (norm gains 1), one tensor at a time, so memory holds one shard.
 """
 
 import argparse
@@ -17,30 +18,9 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-    ),
-    "tiny": dict(  # for tests: a CPU second
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=640,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-    ),
-}
+from mhar_lightning.config import PRESETS, ModelConfig
+from mhar_lightning.convert.hf_llama import model_config_to_hf_config
+
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")
 RESERVED_SPECIALS = 256
 """Llama 3's vocabulary: 128,000 BPE tokens, then 256 special ones (begin/end of text and reserved tokens)."""
@@ -96,25 +76,28 @@ def write_weights(out: Path, config: transformers.LlamaConfig, seed: int, shard_
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="new (or empty) output directory")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="model shape (llama3-8b)")
-    parser.add_argument("--layers", type=int, help="transformer blocks (default: the shape's)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="model shape (llama3-8b)")
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: the preset's)")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's)")
     parser.add_argument("--corpus", type=Path, required=True, help="folder of text files to train the tokenizer on")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard in GB")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"{args.out} is not empty: pass a new directory")
+    overrides = {k: v for k, v in {"n_layers": args.layers, "vocab_size": args.vocab}.items() if v is not None}
+    try:
+        shape = ModelConfig.preset(args.preset, tie_embeddings=False, **overrides)
+    except ValueError as error:
+        parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
-    shape = SHAPES[args.shape] | ({"num_hidden_layers": args.layers} if args.layers else {})
-    tokenizer = write_tokenizer(args.out, args.corpus, shape["vocab_size"])
-    vocab = tokenizer.get_vocab_size()
-    bos, eos = (tokenizer.token_to_id(token) for token in SPECIALS)
-    config = transformers.LlamaConfig(
-        **shape, tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos, architectures=["LlamaForCausalLM"]
-    )
-    config.save_pretrained(args.out)
+    tokenizer = write_tokenizer(args.out, args.corpus, shape.vocab_size)
+    tokens = {"bos_token_id": tokenizer.token_to_id(SPECIALS[0]), "eos_token_id": tokenizer.token_to_id(SPECIALS[1])}
+    hf_config = model_config_to_hf_config(shape, torch.bfloat16, tokens)
+    (args.out / "config.json").write_text(json.dumps(hf_config, indent=1) + "\n")
+    config = transformers.LlamaConfig(**hf_config)
     params = write_weights(args.out, config, args.seed, int(args.shard_gb * 1e9))
-    print(f"{args.out}: {args.shape} with {shape['num_hidden_layers']} layers, {params:,} parameters, vocab {vocab:,}")
+    print(f"{args.out}: {args.preset} with {shape.n_layers} layers, {params:,} parameters, vocab {shape.vocab_size:,}")
     return 0
 
 
