@@ -191,8 +191,11 @@ def train_run(run: Run, continue_from: Path | None) -> None:
     read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
 
 
-def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
-    """Train the unfinished runs, `args.jobs` at a time, within the run-count and time limits."""
+def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[str]:
+    """Train the unfinished runs, `args.jobs` at a time, within the run-count and time limits.
+
+    A run that fails is reported and left for the next call; the others go on. Returns the failed runs' labels.
+    """
     for run in runs:
         if run.dir.is_dir():
             run.check_arguments()
@@ -209,6 +212,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
         TimeElapsedColumn(),
     ]
     running: dict[Future, tuple[Run, float, str]] = {}
+    failed = []
     with (
         Progress(*columns, console=console) as progress,
         CHILDREN.on_sigterm(),
@@ -235,14 +239,20 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> None:
                     break
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    run, began, _ = running.pop(future)
-                    future.result()
-                    longest = max(longest, time.monotonic() - began)
+                    run, began, label = running.pop(future)
                     progress.advance(task)
+                    try:
+                        future.result()
+                    except (ValueError, RuntimeError) as error:
+                        failed.append(label)
+                        console.print(f"failed {label}: {error}", markup=False, highlight=False)
+                        continue
+                    longest = max(longest, time.monotonic() - began)
                     console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
         except BaseException:
             CHILDREN.kill_all()  # the other runs resume from their last.ckpt on the next call
             raise
+    return failed
 
 
 def collect(runs: list[Run], reread: bool) -> list[RunResult]:
@@ -289,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def study(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train the study's unfinished runs (unless `--report-only`), then report every finished run."""
     console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
-    unfinished = 0
+    unfinished, failed = 0, []
     try:
         if args.report_only is not None and not args.variants:
             results, order = collect_all(args.out)
@@ -301,14 +311,14 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / STUDY_FILE).write_text(json.dumps({"variants": order}) + "\n")
             if args.report_only is None:
-                train(runs, args, console)
+                failed = train(runs, args, console)
             results = collect(runs, reread=args.report_only is not None)
             unfinished = sum(not run.finished for run in runs)
     except (ValueError, RuntimeError) as error:
         console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
         return 1
     if not results:
-        console.print(f"no finished runs in {args.out}/runs yet")
+        console.print(f"no finished runs in {args.out}/runs yet" + (f"; {len(failed)} failed" if failed else ""))
         return 1
     baseline = args.baseline or next(name for name in order if any(r.variant == name for r in results))
     summaries = report.summarize(results, baseline)
@@ -317,6 +327,9 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     title = f"{len(results)} runs" + (f" ({unfinished} still to train)" if unfinished else "")
     console.print(report.console_table(summaries, baseline, title))
     console.print(f"report: {path}")
+    if failed:
+        console.print(f"mhar compare: error: {len(failed)} runs failed ({', '.join(failed)}); their logs say why")
+        return 1
     return 0
 
 

@@ -155,6 +155,15 @@ def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: 
     assert message in capsys.readouterr().out
 
 
+def test_a_failed_run_leaves_the_others_to_finish(tmp_path: Path, stdlib_cache: Path, capsys) -> None:
+    with corpus_cache(stdlib_cache):
+        code = compare(["bad=mhar:heads=7", "sum", "--recipe", str(DEMO), "--out", str(tmp_path), "--jobs", "1", *FAST])
+    out = capsys.readouterr().out
+    assert code == 1 and "failed bad seed 0: `mhar fit` failed" in out and "1 runs failed (bad seed 0)" in out
+    assert (run_dir(tmp_path, "sum", 0) / "result.json").is_file()
+    assert not (run_dir(tmp_path, "bad", 0) / "result.json").exists()
+
+
 @pytest.mark.parametrize("target", ["sum", "delta-mhar"])
 def test_converted_checkpoint_computes_what_the_run_computed(study: Path, tmp_path: Path, target: str) -> None:
     ckpt = run_dir(study, "sum", 0) / "checkpoints" / "last.ckpt"
