@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import DEMO, corpus_cache, scalars
+from rich.console import Console
 
 from mhar_lightning.cli import main as mhar
-from mhar_lightning.commands.compare import STRATEGIES, parse_args
+from mhar_lightning.commands import compare as compare_module
+from mhar_lightning.commands.compare import STRATEGIES, grid, parse_args
 from mhar_lightning.commands.compare import main as compare
 from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
@@ -155,13 +157,21 @@ def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: 
     assert message in capsys.readouterr().out
 
 
-def test_a_failed_run_leaves_the_others_to_finish(tmp_path: Path, stdlib_cache: Path, capsys) -> None:
-    with corpus_cache(stdlib_cache):
-        code = compare(["bad=mhar:heads=7", "sum", "--recipe", str(DEMO), "--out", str(tmp_path), "--jobs", "1", *FAST])
-    out = capsys.readouterr().out
-    assert code == 1 and "failed bad seed 0: `mhar fit` failed" in out and "1 runs failed (bad seed 0)" in out
-    assert (run_dir(tmp_path, "sum", 0) / "result.json").is_file()
-    assert not (run_dir(tmp_path, "bad", 0) / "result.json").exists()
+def test_a_failed_run_leaves_the_others_to_train(tmp_path: Path, monkeypatch, capsys) -> None:
+    args, overrides = parse_args(["bad=mhar:heads=7", "sum", "--seeds", "0", "1", "--out", str(tmp_path)])
+    _, runs = grid(args, overrides)
+    trained = []
+
+    def train_run(run, continue_from) -> None:
+        trained.append((run.variant.name, run.seed))
+        if run.variant.name == "bad":
+            raise RuntimeError("`mhar fit` failed (exit 1)")
+
+    monkeypatch.setattr(compare_module, "train_run", train_run)
+    failed = compare_module.train(runs, args, Console(width=200))
+    assert trained == [("bad", 0), ("sum", 0), ("bad", 1), ("sum", 1)]
+    assert failed == ["bad seed 0", "bad seed 1"]
+    assert "failed bad seed 1: `mhar fit` failed (exit 1)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("target", ["sum", "delta-mhar"])
