@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -146,7 +147,9 @@ class Children:
 
     def run(self, cmd: list[str], out: IO[str]) -> int:
         """Run `cmd` to its end (killing it if this thread is interrupted) and return its exit status."""
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        # PYTHONSAFEPATH: the installed kit, never a same-named folder in the working directory (a source checkout)
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         with self._lock:
             self._running.add(process)
         try:

@@ -3,6 +3,7 @@
 import json
 import shutil
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import routing_parameters
 from mhar_lightning.study.continuation import convert_checkpoint
-from mhar_lightning.study.grid import run_dir
+from mhar_lightning.study.grid import CHILDREN, run_dir
 
 FAST = [
     "--trainer.max_steps", "6",
@@ -172,6 +173,16 @@ def test_a_failed_run_leaves_the_others_to_train(tmp_path: Path, monkeypatch, ca
     assert trained == [("bad", 0), ("sum", 0), ("bad", 1), ("sum", 1)]
     assert failed == ["bad seed 0", "bad seed 1"]
     assert "failed bad seed 1: `mhar fit` failed (exit 1)" in capsys.readouterr().out
+
+
+def test_runs_import_the_installed_kit_not_a_folder_of_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "mhar_lightning").mkdir()  # as in the root of a source checkout with a non-editable install
+    (tmp_path / "mhar_lightning" / "__init__.py").write_text("raise ImportError('the folder, not the kit')")
+    monkeypatch.chdir(tmp_path)
+    with (tmp_path / "out.log").open("w") as out:
+        assert CHILDREN.run([sys.executable, "-c", "import mhar_lightning"], out) == 0, (
+            tmp_path / "out.log"
+        ).read_text()
 
 
 @pytest.mark.parametrize("target", ["sum", "delta-mhar"])
