@@ -209,14 +209,14 @@ def child(spec: dict) -> dict:
 
 
 def summary(rows: list[dict]) -> str:
-    """A Markdown table: each row against the first row of the same loop, preset and speed options."""
+    """A Markdown table: each row against the first row of the same loop and preset (a recipe's own options kept)."""
     lines = [
         "| recipe | loop | tokens/s | x first | MFU | step ms | peak GiB | x first | probes (% of steps) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     firsts = {}
     for row in rows:
-        first = firsts.setdefault((row["loop"], row["preset"], row["compile"], row["compiled_autograd"]), row)
+        first = firsts.setdefault((row["loop"], row["preset"]), row)
         probes = ", ".join(
             f"{name} {seconds * 1e3:.0f} ms ({share:.2f} %)"
             for name, seconds in row["probe_s"].items()

@@ -85,6 +85,7 @@ def test_summary_ratios_are_to_the_first_row_of_the_same_loop_and_preset() -> No
         row("pretrain/1b-sum.yaml", "1b", 70_000, 28.0),
         row("pretrain/1b-mhar.yaml", "1b", 63_000, 29.4),
         row("pretrain/350m-sum.yaml", "350m", 170_000, 20.0, loop="bare"),
+        row("pretrain/350m-hc.yaml", "350m", 96_000, 30.0) | {"compiled_autograd": False},  # its recipe's options
     ]
     cells = {
         (line.split("|")[1].strip(), line.split("|")[2].strip()): [c.strip() for c in line.split("|")[3:-1]]
@@ -96,3 +97,5 @@ def test_summary_ratios_are_to_the_first_row_of_the_same_loop_and_preset() -> No
     assert cells[("pretrain/350m-mhar.yaml", "trainer")][6] == "DepthAttentionLogger 1024 ms (0.90 %)"
     assert cells[("pretrain/1b-mhar.yaml", "trainer")][:2] == ["63,000", "0.900"]
     assert cells[("pretrain/350m-sum.yaml", "bare")][:2] == ["170,000", "1.000"]
+    assert cells[("pretrain/350m-hc.yaml", "trainer")][:2] == ["96,000", "0.600"]
+    assert cells[("pretrain/350m-hc.yaml", "trainer")][4:6] == ["30.00", "1.500"]
