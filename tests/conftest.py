@@ -1,15 +1,24 @@
 """Test setup: Triton kernels in the CPU interpreter when no GPU is present; every test offline and cache-free, with
-the default corpus and a short demo run prepared once per session for the tests that ask for them."""
+the default corpus and short demo runs prepared once per session (shared by pytest-xdist's workers) for the tests
+that ask for them."""
 
 import atexit
 import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+from filelock import FileLock
+
+# One thread per pytest-xdist worker and per process a test starts (ranks, `mhar` runs), and Inductor compiling in
+# the process itself: more threads or a pool of compile workers only contend for the same few cores.
+os.environ["OMP_NUM_THREADS"] = "1" if os.environ.get("PYTEST_XDIST_WORKER") else str(min(2, os.cpu_count() or 1))
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
+import torch  # noqa: E402  (after the thread settings it reads)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,10 +52,28 @@ def _patch_language_once_per_launch() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Inductor's on-disk cache does not key on a custom op's fake implementation, so a stale entry could hide a change.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache = tempfile.mkdtemp(prefix="mhar-inductor-")
 atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+
+
+def once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name` filled by `make` once for the whole test session: pytest-xdist's workers share it (the first
+    to ask makes it while the others wait), so a session fixture built with it is not rebuilt on every worker. Tests
+    only read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # every worker's base folder lies in the session's
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -77,11 +104,12 @@ def stdlib_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mhar_lightning.data.corpus import ensure_corpus
     from mhar_lightning.data.tokenizer import load_tokenizer
 
-    root = tmp_path_factory.mktemp("mhar-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MHAR_CACHE_DIR", str(root))
-        ensure_corpus(load_tokenizer("byte"), progress=False)
-    return root
+    def prepare(root: Path) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MHAR_CACHE_DIR", str(root))
+            ensure_corpus(load_tokenizer("byte"), progress=False)
+
+    return once(tmp_path_factory, "mhar-cache", prepare)
 
 
 @pytest.fixture
@@ -102,10 +130,11 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -> Pa
 
     from mhar_lightning.cli import main
 
-    root = tmp_path_factory.mktemp("demo-run")
-    with corpus_cache(stdlib_cache):
-        main(fast_demo_args(root, max_steps=2))
-    return root
+    def train(root: Path) -> None:
+        with corpus_cache(stdlib_cache):
+            main(fast_demo_args(root, max_steps=2))
+
+    return once(tmp_path_factory, "demo-run", train)
 
 
 @pytest.fixture(scope="session")
@@ -114,10 +143,11 @@ def ddp_demo_run(tmp_path_factory: pytest.TempPathFactory, stdlib_cache: Path) -
     the resume test as its uninterrupted run and by the depth-attention test (both ranks probe at the end)."""
     from cli_helpers import DDP_STEPS, corpus_cache, fast_demo_args, run_ddp
 
-    root = tmp_path_factory.mktemp("ddp-run")
-    with corpus_cache(stdlib_cache):
-        run_ddp(fast_demo_args(root, DDP_STEPS))
-    return root
+    def train(root: Path) -> None:
+        with corpus_cache(stdlib_cache):
+            run_ddp(fast_demo_args(root, DDP_STEPS))
+
+    return once(tmp_path_factory, "ddp-run", train)
 
 
 @pytest.fixture(scope="session")
@@ -126,8 +156,10 @@ def small_demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the depth-attention test reads its TensorBoard run and `mhar inspect` its checkpoint."""
     from probe_helpers import demo_fit, small_corpus
 
-    corpus = small_corpus(tmp_path_factory.mktemp("data") / "small")
-    return demo_fit(tmp_path_factory.mktemp("small-run"), corpus, 3)
+    def train(root: Path) -> None:
+        demo_fit(root / "run", small_corpus(root / "data"), 3)
+
+    return once(tmp_path_factory, "small-run", train) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -136,4 +168,5 @@ def trained_mhar_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     and lm-evaluation-harness tests."""
     from eval_helpers import trained_checkpoint
 
-    return trained_checkpoint(tmp_path_factory.mktemp("mhar-run"))
+    root = once(tmp_path_factory, "mhar-run", trained_checkpoint)
+    return root / "checkpoints" / "last.ckpt", root / "prepared"
