@@ -60,8 +60,7 @@ def test_compiled_trainer_step_gives_eager_gradients(tmp_path, name) -> None:
     """Every speed option a GPU recipe turns on: the first step's gradients match eager ones (bf16 autocast:
     relative error of each parameter's gradient), and ten steps lower the loss."""
     eager = fit(tmp_path / "eager", RESIDUALS[name], steps=1)
-    captured = name != "hyper-connections"  # its recipes leave compiled autograd off
-    fast = fit(tmp_path / "fast", RESIDUALS[name], steps=10, compile=True, compiled_autograd=captured)
+    fast = fit(tmp_path / "fast", RESIDUALS[name], steps=10, compile=True, compiled_autograd=True)
     assert eager.grads.keys() == fast.grads.keys()
     total = torch.stack([g.norm() for g in eager.grads.values()]).norm()
     for param, reference in eager.grads.items():  # zero-initialised routing parameters may have zero gradients
