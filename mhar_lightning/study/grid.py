@@ -21,6 +21,8 @@ RESULT_FILE = "result.json"
 ARGS_FILE = "args.json"
 LOG_FILE = "fit.log"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+KIT_ROOT = Path(__file__).resolve().parents[2]
+"""The folder holding the kit's `recipes/` (a source checkout)."""
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,13 @@ class Variant:
         return args
 
     def describe(self) -> str:
-        """The variant's definition in one line: recipe, then the residual it sets."""
+        """The variant's definition in one line: recipe, then the residual it sets. The kit's own recipes are named
+        from the kit's root, so that a study resumed from another directory is recognised as the same."""
         recipe = self.recipe.resolve()
-        recipe = recipe.relative_to(Path.cwd()) if recipe.is_relative_to(Path.cwd()) else recipe
+        for root in (KIT_ROOT, Path.cwd()):
+            if recipe.is_relative_to(root):
+                recipe = recipe.relative_to(root)
+                break
         if self.residual is None:
             return str(recipe)
         return f"{recipe} + residual {self.residual if isinstance(self.residual, str) else json.dumps(self.residual)}"

@@ -19,7 +19,7 @@ from mhar_lightning.convert import load_decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import routing_parameters
 from mhar_lightning.study.continuation import convert_checkpoint
-from mhar_lightning.study.grid import CHILDREN, run_dir
+from mhar_lightning.study.grid import CHILDREN, parse_variant, run_dir
 
 FAST = [
     "--trainer.max_steps", "6",
@@ -128,6 +128,15 @@ def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> No
     assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
     assert "was started as" in capsys.readouterr().out
     assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
+
+
+def test_a_kit_recipe_names_a_run_the_same_from_any_directory(tmp_path: Path, monkeypatch) -> None:
+    variant = parse_variant("mhar:heads=2", DEMO, STRATEGIES)
+    monkeypatch.chdir(DEMO.parent)
+    inside = variant.describe()
+    monkeypatch.chdir(tmp_path)
+    assert variant.describe() == inside
+    assert inside.startswith("recipes/demo.yaml + residual ")
 
 
 def test_variants_seeds_and_overrides_in_any_order(capsys) -> None:
