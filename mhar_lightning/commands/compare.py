@@ -182,13 +182,13 @@ def prepare_continuation(run: Run, source: Path) -> None:
         mhar([*args, "--trainer.enable_progress_bar", "false"], run.dir / LOG_FILE)
 
 
-def train_run(run: Run, continue_from: Path | None) -> None:
+def train_run(run: Run, continue_from: Path | None, jobs: int) -> None:
     """Train one run to its end (resuming it if it has a `last.ckpt`) and record its result."""
     run.check_arguments()
     if run.init_from is not None:
         prepare_continuation(run, continue_from)
     mhar(run.fit_args(), run.dir / LOG_FILE)
-    read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
+    read_run(run.dir, run.variant.name, run.seed, run.variant.describe(), shared=jobs).save(run.dir)
 
 
 def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[str]:
@@ -202,6 +202,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
     todo = [r for r in runs if not r.finished and (not args.only or r.variant.name in args.only)]
     if args.max_runs is not None:
         todo = todo[: args.max_runs]
+    jobs = min(args.jobs, len(todo))
     console.print(f"{sum(r.finished for r in runs)} of {len(runs)} runs finished; training {len(todo)} in this call")
     start, longest = time.monotonic(), 0.0
     columns = [
@@ -221,7 +222,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
         task = progress.add_task("study", total=len(todo))
         try:
             while todo or running:
-                while todo and len(running) < args.jobs:
+                while todo and len(running) < jobs:
                     elapsed = time.monotonic() - start
                     if args.time_budget is not None and elapsed + longest > args.time_budget:
                         console.print(
@@ -233,7 +234,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
                     label = f"{run.variant.name} seed {run.seed}" + (
                         " (resuming)" if run.last_checkpoint.is_file() else ""
                     )
-                    running[pool.submit(train_run, run, args.continue_from)] = (run, time.monotonic(), label)
+                    running[pool.submit(train_run, run, args.continue_from, jobs)] = (run, time.monotonic(), label)
                 progress.update(task, description=", ".join(label for _, _, label in running.values()))
                 if not running:
                     break
@@ -261,9 +262,11 @@ def collect(runs: list[Run], reread: bool) -> list[RunResult]:
     for run in runs:
         if not run.finished:
             continue
+        result = RunResult.load(run.dir)
         if reread and (run.dir / "tensorboard").is_dir():
-            read_run(run.dir, run.variant.name, run.seed, run.variant.describe()).save(run.dir)
-        results.append(RunResult.load(run.dir))
+            result = read_run(run.dir, run.variant.name, run.seed, run.variant.describe(), result.shared)
+            result.save(run.dir)
+        results.append(result)
     return results
 
 
@@ -274,7 +277,7 @@ def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
     for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
         result = RunResult.load(path.parent)
         if (path.parent / "tensorboard").is_dir():
-            result = read_run(path.parent, result.variant, result.seed, result.definition)
+            result = read_run(path.parent, result.variant, result.seed, result.definition, result.shared)
             result.save(path.parent)
         results.append(result)
     order += sorted({r.variant for r in results} - set(order))

@@ -62,6 +62,7 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
     for run in runs:
         by_variant.setdefault(run.variant, []).append(run)
     base = {run.seed: run for run in by_variant.get(baseline, [])}
+    alone = all(r.shared == 1 for r in base.values())
     base_speed = mean_of([r.tokens_per_sec for r in base.values()])
     base_memory = mean_of([r.peak_memory_gib for r in base.values()])
     summaries = []
@@ -89,7 +90,7 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
                 gap=gap,
                 gap_sd=gap_sd,
                 tokens_per_sec=speed,
-                speed_ratio=ratio(speed, base_speed),
+                speed_ratio=ratio(speed, base_speed) if alone and all(r.shared == 1 for r in group) else None,
                 peak_memory_gib=memory,
                 memory_ratio=ratio(memory, base_memory),
                 initial_val_loss=mean_of([r.initial_val_loss for r in group]),
@@ -163,6 +164,7 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         f" deviation over seeds; the gap to `{baseline}` is paired by seed (same seed, same data order). Speed and"
         " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a"
         " run; memory: peak allocated).",
+        *shared_note(runs),
         "",
         "## Summary",
         "",
@@ -207,6 +209,18 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def shared_note(runs: list[RunResult]) -> list[str]:
+    """A line saying which runs shared their machine, whose speed the report therefore does not compare."""
+    shared = sorted({r.shared for r in runs if r.shared > 1})
+    if not shared:
+        return []
+    return [
+        "",
+        f"Runs trained {' or '.join(map(str, shared))} at a time (`--jobs`) shared their machine: their tokens/s are"
+        " not their own speed, and no speed ratio involves them.",
+    ]
 
 
 def write(

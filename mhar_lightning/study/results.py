@@ -47,6 +47,8 @@ class RunResult:
     peak_memory_gib: float | None
     initial_val_loss: float | None = None
     hparams: dict[str, Any] = field(default_factory=dict)
+    shared: int = 1
+    """Runs trained at the same time on its machine (`mhar compare --jobs`): above 1 its tokens/s are not its own."""
 
     @property
     def tokens(self) -> int:
@@ -106,8 +108,9 @@ def steady(values: dict[int, float]) -> float | None:
     return statistics.median(values[s] for s in steps) if steps else None
 
 
-def read_run(run_dir: Path, variant: str, seed: int, definition: str) -> RunResult:
-    """The result of the finished run in `run_dir`, from its logs; also copies its last depth-attention maps there."""
+def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: int = 1) -> RunResult:
+    """The result of the finished run in `run_dir`, from its logs; also copies its last depth-attention maps there.
+    `shared`: the runs that trained at the same time on the machine."""
     found = versions(run_dir)
     if not found:
         raise ValueError(f"{run_dir} has no TensorBoard logs: not a run of `mhar fit`")
@@ -144,6 +147,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str) -> RunResu
         peak_memory_gib=max(peak.values()) if peak else None,
         initial_val_loss=initial_val_loss(run_dir),
         hparams={"residual": hparams["residual"], "preset": hparams.get("preset"), "routing_heads": heads},
+        shared=shared,
     )
 
 

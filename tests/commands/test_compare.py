@@ -93,7 +93,10 @@ def test_report_equals_the_runs_logged_values(study: Path) -> None:
     gaps = [logged["mhar-block", s] - logged["sum", s] for s in (0, 1)]
     assert by_name["mhar-block"]["gap"] == pytest.approx(statistics.fmean(gaps), abs=1e-7)
     assert by_name["sum"]["routing_params"] == 0 < by_name["mhar-block"]["routing_params"]
+    assert [r["shared"] for r in results["runs"]] == [1, 2, 2, 2]  # sum seed 0 alone, then two at a time
+    assert by_name["sum"]["speed_ratio"] is None and by_name["mhar-block"]["speed_ratio"] is None
     text = (study / "report.md").read_text()
+    assert "Runs trained 2 at a time (`--jobs`) shared their machine" in text
     assert f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}" in text
     for value in logged.values():
         assert f"| {value:.4f} |" in text
@@ -172,7 +175,7 @@ def test_a_failed_run_leaves_the_others_to_train(tmp_path: Path, monkeypatch, ca
     _, runs = grid(args, overrides)
     trained = []
 
-    def train_run(run, continue_from) -> None:
+    def train_run(run, continue_from, jobs) -> None:
         trained.append((run.variant.name, run.seed))
         if run.variant.name == "bad":
             raise RuntimeError("`mhar fit` failed (exit 1)")
