@@ -35,12 +35,12 @@ import torch
 from mhar_lightning.callbacks.base import ProbeCallback
 from mhar_lightning.callbacks.throughput import h200_peak
 
-from mhar_lightning.cli import MharCLI
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.optim import build_optimizer
 from mhar_lightning.parallel import compiled_backward
 from mhar_lightning.terminal import quiet_third_party_noise
+from mhar_lightning.trainer_cli import MharCLI
 
 
 def random_corpus(directory: Path, tokenizer_name: str, tokens: int) -> Path:

@@ -2,6 +2,8 @@
 
 import base64
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,19 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import mhar_lightning.checkpoint_io
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
-from mhar_lightning.cli import MharCLI, main
+from mhar_lightning.cli import main
+from mhar_lightning.trainer_cli import MharCLI
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
+
+
+def test_a_tool_starts_without_loading_torch_or_lightning() -> None:
+    """`mhar prepare` (and `mhar` before it dispatches) imports neither: a tool answers at once."""
+    code = (
+        "import sys, mhar_lightning.cli, mhar_lightning.data.prepare; print({'torch', 'lightning'} & set(sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "set()"
 
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:

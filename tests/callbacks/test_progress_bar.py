@@ -12,7 +12,7 @@ import pytest
 import torch
 from cli_helpers import DEMO, env_with_tests_on_path, fast_demo_args
 
-from mhar_lightning.cli import MharCLI
+from mhar_lightning.trainer_cli import MharCLI
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy")

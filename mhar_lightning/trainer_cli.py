@@ -1,0 +1,343 @@
+"""`MharCLI`: the `mhar` subcommands that run the Trainer (fit, validate, test), built on `LightningCLI`, with the
+kit's recipes, checks and defaults."""
+
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from jsonargparse import ArgumentParser
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
+from mhar_lightning.checkpoint_config import runtime_overrides
+from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
+from mhar_lightning.config import VOCAB_MULTIPLE, padded_vocab
+from mhar_lightning.convert import check_data_tokenizer
+from mhar_lightning.data import ShardIndex, TokenDataModule
+from mhar_lightning.data.shards import INDEX_FILE
+from mhar_lightning.errors import ConfigError
+from mhar_lightning.module import LanguageModel
+from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
+from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
+from mhar_lightning.tools import TOOLS
+
+BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
+
+
+class MharCLI(LightningCLI):
+    """`LightningCLI` for `LanguageModel` + `TokenDataModule` with the kit's trainer defaults and argument links.
+
+    Sequence length and vocabulary are set once, on the data (`data.seq_len`, `data.tokenizer`), and copied to
+    the model. Checkpoints go to `<default_root_dir>/checkpoints` (so `--ckpt_path last` finds them across
+    runs), TensorBoard logs to `<default_root_dir>/tensorboard`, and checkpoint files are written atomically.
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LanguageModel,
+            TokenDataModule,
+            trainer_defaults={
+                "use_distributed_sampler": False,
+                "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+            },
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+            run=run,
+        )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Parse, first putting each recipe's `# base:` chain in front of it (see `with_recipe_bases`)."""
+        if isinstance(args, (list, tuple)) or args is None:
+            args = sys.argv[1:] if args is None else list(args)
+            for flag in (arg.partition("=")[0] for arg in args):
+                if flag in ("--model.vocab_size", "--model.seq_len"):
+                    raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
+            check_class_paths(args)
+            try:
+                self.config = parser.parse_args(with_recipe_bases(args))
+            except (ImportError, AttributeError) as error:
+                if not failed_class_path_import(error):
+                    raise
+                raise ConfigError(
+                    f"a class_path in the config cannot be imported ({error}): check its spelling, install the package"
+                    " that provides it or add its directory to PYTHONPATH"
+                ) from None
+            if self.config.get(str(self.config.get("subcommand")), {}).get("ckpt_path"):  # what the user set, alone
+                self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
+        else:
+            super().parse_arguments(parser, args)
+        check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+
+    def _parse_ckpt_path(self) -> None:
+        """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
+        checkpoint's model arguments (Lightning's behaviour, without the shape a run records beside them) except the
+        runtime ones the user set."""
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(str(subcommand))
+        if not subcommand or not config.get("ckpt_path"):
+            return
+        dirpath = config.checkpoint.dirpath or str(Path(config.trainer.default_root_dir or os.getcwd()) / "checkpoints")
+        path = checkpoint_file(config.ckpt_path, dirpath)
+        if path is None or not Path(path).is_file():
+            return
+        config.ckpt_path = path
+        given = getattr(self, "given", None)
+        given_model = given.get(f"{subcommand}.model") if given is not None else None
+        hparams = read_checkpoint(path).get("hyper_parameters") or {}
+        given_model = given_model.as_dict() if given_model is not None else {}
+        keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
+        arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them
+        model = {name: value for name, value in hparams.items() if name in arguments and name != "self"}
+        if model:
+            self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+        for field, value in keep.items():
+            self.config[subcommand].model[field] = value
+
+    def init_parser(self, **kwargs) -> LightningArgumentParser:
+        kwargs.setdefault("allow_abbrev", False)  # a typo such as --trainer.max_step fails instead of matching
+        return super().init_parser(**kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
+        """Also list the tools in `mhar --help` (they are dispatched by `main` before parsing)."""
+        super()._add_subcommands(parser, **kwargs)
+        for name, (_, _, help_text) in TOOLS.items():
+            parser._subcommands_action.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(FinalStepCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+        parser.link_arguments("data.seq_len", "model.seq_len")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+
+    @property
+    def run_config(self):
+        """The parsed config of the running subcommand (the whole config when run=False)."""
+        return self.config.get(str(self.subcommand), self.config)
+
+    def before_instantiate_classes(self) -> None:
+        if self.run_config.checkpoint.dirpath is None:
+            self.run_config.checkpoint.dirpath = str(Path(self.root_dir) / "checkpoints")
+
+    def instantiate_classes(self) -> None:
+        """Build model, data and trainer; an argument they refuse (ValueError) becomes a one-line config error."""
+        try:
+            super().instantiate_classes()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(one_line(str(error))) from error
+
+    def after_instantiate_classes(self) -> None:
+        """Refuse, before any step, what would fail later: settings, data, checkpoint and output folders."""
+        config = self.run_config
+        try:
+            if self.subcommand == "fit":
+                self.model.check_strategy(self.trainer)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        ckpt_path = checkpoint_file(config.get("ckpt_path"), config.checkpoint.dirpath)
+        if self.subcommand == "test":
+            raise ConfigError(
+                "prepared data has train and val splits only, so there is no test set: use `mhar validate` with the"
+                " same arguments"
+            )
+        if self.subcommand == "validate" and ckpt_path is None and self.model.init_from is None:
+            raise ConfigError(
+                "mhar validate needs trained weights: pass --ckpt_path (a .ckpt, or last) or --model.init_from"
+            )
+        if self.subcommand == "fit" and not 0 < self.trainer.max_steps:
+            raise ConfigError(
+                f"trainer.max_steps={self.trainer.max_steps}: set --trainer.max_steps N (N >= 1); the learning-rate"
+                " schedule is defined over optimizer steps"
+            )
+        if self.subcommand is not None:  # a run, not a config being inspected (run=False)
+            self.datamodule.check()
+        if is_sharded_checkpoint(ckpt_path):
+            check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
+        check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
+        check_data(self.model, self.datamodule)
+        if self.subcommand == "fit":
+            check_output_dir(self.root_dir, "trainer.default_root_dir")
+            check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", checkpoint_bytes(self.model.model_config))
+            remove_stale_temporaries(config.checkpoint.dirpath)
+
+    @property
+    def root_dir(self) -> str:
+        return self.run_config.trainer.default_root_dir or os.getcwd()
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Add the TensorBoard logger, the atomic checkpoint writer, a progress bar that does not stall the GPU every
+        step and a one-line parameter summary, unless the config sets its own."""
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        if trainer_config.get("logger") in (None, True):
+            kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        added = []
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            added.append(StepProgressBar())
+        if trainer_config.get("enable_model_summary") is not False and not any(
+            isinstance(callback, ModelSummary) for callback in callbacks
+        ):
+            added.append(ParameterSummary())
+            kwargs["enable_model_summary"] = False  # Lightning would print its own table as well
+        if added:
+            kwargs["callbacks"] = [*callbacks, *added]
+        plugins = trainer_config.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def check_linked_fields(config) -> None:
+    """Refuse model fields that the data sets (checked on the user's config, before a checkpoint's are merged)."""
+    if config.model.get("vocab_size") is not None:
+        raise ConfigError(linked_field_error("vocab_size", config.model.vocab_size))
+    overrides = config.model.get("model_overrides") or {}
+    for field in ("vocab_size", "max_seq_len"):
+        if field in overrides:
+            raise ConfigError(linked_field_error(f"model_overrides.{field}", overrides[field]))
+
+
+def failed_class_path_import(error: BaseException) -> bool:
+    """Whether `error` was raised by jsonargparse importing a config's `class_path` (not by a bug elsewhere)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "import_object"
+
+
+def linked_field_error(field: str, value: object = None) -> str:
+    """One line saying that a model field comes from the data config, and what to set instead."""
+    given = "" if value is None else f"={value}"
+    if "vocab_size" in field:
+        return (
+            f"model.{field}{given} cannot be set: the vocabulary comes from data.tokenizer (rounded up to a multiple "
+            f"of {VOCAB_MULTIPLE}) or from model.init_from; remove it and choose the tokenizer with --data.tokenizer"
+        )
+    return (
+        f"model.{field}{given} cannot be set: the sequence length comes from data.seq_len;"
+        " remove it and set --data.seq_len"
+    )
+
+
+def recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
+    """`path` preceded by its bases: a recipe names its base in a leading comment `# base: <relative path>`."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"recipe {path} inherits from itself: fix the '# base:' line")
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if match := BASE_DIRECTIVE.match(line):
+            base = path.parent / match.group(1)
+            if not base.is_file():
+                raise ConfigError(f"{path} names base {match.group(1)}, which does not exist: fix its '# base:' line")
+            return [*recipe_chain(base, (*seen, path)), path]
+    return [path]
+
+
+def with_recipe_bases(args: list[str]) -> list[str]:
+    """Expand every `--config recipe.yaml` into `--config base.yaml ... --config recipe.yaml`.
+
+    jsonargparse merges several `--config` files in order, so a recipe holds only what differs from its base.
+    """
+    expanded: list[str] = []
+    items = iter(args)
+    for arg in items:
+        flag, eq, value = arg.partition("=")
+        if flag not in ("-c", "--config"):
+            expanded.append(arg)
+            continue
+        value = value if eq else next(items, "")
+        if not Path(value).is_file():
+            expanded.extend([flag, value])
+            continue
+        for path in recipe_chain(Path(value)):
+            expanded.extend([flag, str(path)])
+    return expanded
+
+
+def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
+    """The checkpoint `ckpt_path` names: `last` is the newest `last*.ckpt` of `checkpoint_dir` (None if none)."""
+    if ckpt_path == "last":
+        candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+        return str(candidates[-1]) if candidates else None
+    if ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
+        raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
+    return ckpt_path
+
+
+def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodule: TokenDataModule) -> None:
+    """Refuse a checkpoint whose vocabulary or rank file differs from the data's tokenizer (before any training)."""
+    ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
+    if not ckpt_path or not Path(ckpt_path).is_file():
+        return
+    checkpoint = read_checkpoint(ckpt_path)
+    vocab = checkpoint.get("hyper_parameters", {}).get("vocab_size")
+    trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
+        "tokenizer", "the tokenizer it was trained with"
+    )
+    # the tokenizer's vocabulary; checkpoints of earlier versions hold it rounded up (`padded_vocab`)
+    if vocab is not None and vocab not in (datamodule.vocab_size, padded_vocab(datamodule.vocab_size)):
+        raise ConfigError(
+            f"checkpoint {ckpt_path} has a {vocab}-token vocabulary but data.tokenizer={datamodule.tokenizer_name!r} "
+            f"has {datamodule.vocab_size} tokens: set --data.tokenizer {trained_with}"
+        )
+    state = checkpoint.get(type(datamodule).__qualname__) or {}
+    datamodule.check_fingerprint(state.get("tokenizer_fingerprint"), f"checkpoint {ckpt_path}")
+
+
+def check_class_paths(args: list[str]) -> None:
+    """Refuse a `--<key>.class_path` flag naming a class that cannot be imported (jsonargparse crashes on it)."""
+    for flag, value in zip(args, [*args[1:], ""]):
+        flag, eq, inline = flag.partition("=")
+        value = inline if eq else value
+        if not flag.endswith(".class_path") or "." not in value:
+            continue
+        module, _, name = value.rpartition(".")
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise ConfigError(f"{flag} {value}: no class {name} in an importable module {module}; check the spelling")
+
+
+def one_line(message: str) -> str:
+    """A jsonargparse union error cut to its informative line (the reasons a value fits no accepted type)."""
+    lines = message.splitlines()
+    reasons = [line.strip().removeprefix("- ") for line in lines if line.strip().startswith("- ")]
+    reasons = [reason for reason in reasons if not reason.startswith("Expected a ")]
+    return reasons[0] if len(lines) > 1 and reasons else message
+
+
+def check_data(model: LanguageModel, datamodule: TokenDataModule) -> None:
+    """Before any step: the prepared data must come from the requested tokenizer, and that tokenizer must be the one
+    a converted model (`model.init_from`) ships."""
+    try:
+        if datamodule.path is not None and (Path(datamodule.path) / INDEX_FILE).is_file():  # else setup names it
+            ShardIndex.load(Path(datamodule.path)).check_tokenizer(datamodule.tokenizer, Path(datamodule.path))
+        if model.init_from is not None:
+            check_data_tokenizer(model.init_from, datamodule.tokenizer, datamodule.tokenizer_name)
+    except ValueError as error:  # ShardError, ConversionError
+        raise ConfigError(str(error)) from error
