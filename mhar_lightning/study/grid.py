@@ -21,8 +21,6 @@ RESULT_FILE = "result.json"
 ARGS_FILE = "args.json"
 LOG_FILE = "fit.log"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
-KIT_ROOT = Path(__file__).resolve().parents[2]
-"""The folder holding the kit's `recipes/` (a source checkout)."""
 
 
 @dataclass(frozen=True)
@@ -44,17 +42,22 @@ class Variant:
         return args
 
     def describe(self) -> str:
-        """The variant's definition in one line: recipe, then the residual it sets. The kit's own recipes are named
-        from the kit's root, so that a study resumed from another directory is recognised as the same."""
-        recipe = self.recipe.resolve()
-        for root in (KIT_ROOT, Path.cwd()):
-            if recipe.is_relative_to(root):
-                recipe = recipe.relative_to(root)
-                break
+        """The variant's definition in one line: recipe, then the residual it sets."""
+        recipe = recipe_name(self.recipe)
         if self.residual is None:
-            return str(recipe)
+            return recipe
         return f"{recipe} + residual {self.residual if isinstance(self.residual, str) else json.dumps(self.residual)}"
 
+
+def recipe_name(recipe: Path) -> str:
+    """A recipe as a study records it: from its innermost `recipes/` folder on (`recipes/study/6m.yaml`), so a
+    study resumed from another checkout or directory is the same study; any other recipe by its path from here."""
+    path = recipe.resolve()
+    folders = path.parts[:-1]
+    if "recipes" in folders:
+        first = len(folders) - 1 - folders[::-1].index("recipes")
+        return str(Path(*path.parts[first:]))
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, Any] | str]) -> Variant:
     """`[NAME=]SPEC`: SPEC is a recipe (`.yaml`), a strategy of `strategies`, a registered residual name or a

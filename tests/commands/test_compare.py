@@ -133,13 +133,16 @@ def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> No
     assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
 
 
-def test_a_kit_recipe_names_a_run_the_same_from_any_directory(tmp_path: Path, monkeypatch) -> None:
+def test_a_kit_recipe_names_a_run_the_same_from_any_directory_and_checkout(tmp_path: Path, monkeypatch) -> None:
     variant = parse_variant("mhar:heads=2", DEMO, STRATEGIES)
     monkeypatch.chdir(DEMO.parent)
     inside = variant.describe()
     monkeypatch.chdir(tmp_path)
     assert variant.describe() == inside
     assert inside.startswith("recipes/demo.yaml + residual ")
+    other = tmp_path / "elsewhere" / "recipes"
+    shutil.copytree(DEMO.parent, other)
+    assert parse_variant("mhar:heads=2", other / DEMO.name, STRATEGIES).describe() == inside
 
 
 def test_variants_seeds_and_overrides_in_any_order(capsys) -> None:
