@@ -4,9 +4,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -57,26 +60,43 @@ def converted_init(root: Path, residual: dict, tie: bool = True, seed: int = 1) 
 
 
 def run_ranks(*args: str, timeout: float = 120, log: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `fsdp_run.py` (Lightning launches the other ranks), returning the finished process; past `timeout`, every
-    rank is killed and `subprocess.TimeoutExpired` raised. With `log`, both streams of every rank go to that file as
-    they are written, so a run killed from outside still leaves its output; the returned process holds it as stdout."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for var in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(var, None)
+    """Run `fsdp_run.py` on `--devices` ranks (default 2), started together as torchrun starts them (Lightning sees
+    `LOCAL_RANK` and launches none itself), so they import at the same time. Returns rank 0's exit code unless it is
+    0 and another rank's is not; past `timeout`, every rank is killed and `subprocess.TimeoutExpired` raised. Both
+    streams of every rank go to `log` (default: a temporary file) as they are written, so a run killed from outside
+    still leaves its output; the returned process holds it as stdout."""
+    ranks = 2
+    for flag, value in zip(args, args[1:]):
+        ranks = int(value) if flag == "--devices" else ranks
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    env |= {"MASTER_PORT": str(port), "NODE_RANK": "0", "WORLD_SIZE": str(ranks)}
     command = [sys.executable, str(SCRIPT), *args]
+    deadline = time.monotonic() + timeout
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(log.open("w")) if log else subprocess.PIPE
-        err = subprocess.STDOUT if log else subprocess.PIPE
-        proc = stack.enter_context(
-            subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
-        )
+        out = stack.enter_context(log.open("w+") if log else tempfile.TemporaryFile("w+"))
+        procs = [
+            stack.enter_context(
+                subprocess.Popen(command, env=env | {"LOCAL_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT,
+                                 text=True, start_new_session=True)
+            )
+            for rank in range(ranks)
+        ]  # fmt: skip
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the ranks Lightning launched too, not only the first
-            proc.communicate()
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             raise
-    return subprocess.CompletedProcess(command, proc.returncode, log.read_text() if log else stdout, stderr or "")
+        out.seek(0)
+        output = out.read()
+    code = next((proc.returncode for proc in procs if proc.returncode), 0)
+    return subprocess.CompletedProcess(command, code, output, "")
 
 
 def losses(out: Path, rank: int) -> dict[int, float]:

@@ -1,6 +1,7 @@
 """A tiny training run for the multi-process tests: `python tests/fsdp_run.py --out DIR ...`.
 
-Lightning starts the other ranks.
+Start one process per rank with `LOCAL_RANK` set, as torchrun does (`fsdp_helpers.run_ranks`); started alone,
+Lightning starts the other ranks itself.
 
 Writes each rank's per-step losses to `OUT/losses-rank{r}.jsonl`, `OUT/shards-rank{r}.json` (local vs global
 parameter elements), the first optimizer step's gradients to `OUT/first-grads.pt` and, at the end, the all-gathered

@@ -26,13 +26,13 @@ def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     killed = run_ranks(*args(run, 2, "--ckpt-every", str(CKPT_EVERY), "--kill-at", str(KILL_AT)))
-    assert killed.returncode == 17, killed.stderr[-3000:]  # every rank died right after step KILL_AT
+    assert killed.returncode == 17, killed.stdout[-3000:]  # every rank died right after step KILL_AT
     assert (run / "ckpt" / "last.ckpt").resolve().name == f"epoch=0-step={LAST_SAVE}.ckpt"
     assert [len(records(r)) for r in (0, 1)] == [KILL_AT, KILL_AT]
     uninterrupted = {rank: {r["step"]: r["loss"] for r in records(rank)} for rank in (0, 1)}
 
     resumed = run_ranks(*args(run, 2, "--ckpt-every", str(CKPT_EVERY), "--resume", "last"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert (run / "ckpt" / "last.ckpt").resolve().name == f"epoch=0-step={STEPS}.ckpt"  # the final step, not step 5
     assert not list((run / "ckpt").glob("last-v*"))
     for rank in (0, 1):
@@ -45,4 +45,4 @@ def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
         *args(tmp_path / "other", 1, "--ckpt-every", str(CKPT_EVERY), "--resume", str(run / "ckpt" / "last.ckpt"))
     )
     assert other.returncode != 0
-    assert "written by 2 ranks and this run has 1: resume with 2 ranks" in other.stderr
+    assert "written by 2 ranks and this run has 1: resume with 2 ranks" in other.stdout

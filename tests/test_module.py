@@ -136,9 +136,10 @@ def test_compiled_autograd_under_ddp_on_gpus_is_refused_where_torch_crashed(monk
 
 def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
     """A training step with its backward captured by compiled autograd gives eager autograd's gradients (the
-    embedding's summed over the routing calls that read it). One layer, the fused routing op (interpreted; the
-    reference op is many nodes to trace), and the captured graphs run as traced, not through Inductor: capture is
-    slow on a CPU. On a machine with a GPU the step runs there, as the interpreter is off."""
+    embedding's summed over the routing calls that read it). One layer, 16 tokens (the interpreter runs the fused
+    routing op a row at a time; the reference op is many nodes to trace), and the captured graphs run as traced,
+    not through Inductor: capture is slow on a CPU. On a machine with a GPU the step runs there, as the interpreter
+    is off."""
     combo = []  # Inductor's combo-kernel option as each captured graph is compiled: on, the kit's default
 
     def compile_as_traced(graph, inputs):
@@ -153,7 +154,7 @@ def test_compiled_autograd_gives_eager_gradients(tmp_path, monkeypatch) -> None:
         recorder = GradientRecorder()
         accelerator = "gpu" if torch.cuda.is_available() else "cpu"
         run = trainer(tmp_path, accelerator=accelerator, max_steps=1, limit_val_batches=0, callbacks=[recorder])
-        run.fit(model, datamodule=tiny_data())
+        run.fit(model, datamodule=TokenDataModule(tokenizer="byte", seq_len=8, batch_size=2, val_samples=8))
         grads.append(recorder.grads)
     assert torch._dynamo.utils.counters["compiled_autograd"]["compiles"] > 0  # the backward was captured
     assert combo and all(combo)

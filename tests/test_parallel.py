@@ -192,29 +192,32 @@ def test_sharded_random_init_draws_independent_shards(workdir: Path) -> None:
         assert (weight[:half] - weight[half : 2 * half]).std().item() == pytest.approx(0.02 * 2**0.5, rel=0.1), name
 
 
-def test_compiled_autograd_under_ddp_matches_eager(workdir: Path) -> None:
-    """Two DDP ranks with each backward captured by compiled autograd train to eager DDP's weights: the all-reduce
-    runs inside the captured graphs, also under gradient accumulation (where DDP skips it on all but the last
-    micro-batch). The strategy is `sum`: routing under compiled autograd has its own test (test_module.py)."""
-    common = ["--residual", '"sum"', "--layers", "1", "--devices", "2", "--batch", "2", "--accumulate", "2"]
-    common += ["--steps", "2"]
-    eager = _run(workdir, "ddp-eager", *common)
-    compiled = _run(workdir, "ddp-compiled-autograd", *common, "--compiled-autograd")
-    for rank in range(2):
-        assert losses(compiled, rank) == pytest.approx(losses(eager, rank), abs=1e-6, rel=0)
-    want, got = (torch.load(out / "gathered.pt", weights_only=True) for out in (eager, compiled))
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
-
-
-GPUS = torch.cuda.device_count()
-GPU_RUN_TIMEOUT = 600  # seconds for a GPU run: a cold Inductor compile of the blocks and the backward can take minutes
-
-
 def _gradient_errors(got: Path, want: Path) -> dict[str, float]:
     """Relative error (norm of the difference over norm) of each parameter's first-step gradient."""
     a, b = (torch.load(out / "first-grads.pt", weights_only=True) for out in (want, got))
     return {name: ((b[name] - g).norm() / g.norm().clamp_min(1e-30)).item() for name, g in a.items()}
+
+
+def test_compiled_autograd_under_ddp_matches_one_eager_process(workdir: Path) -> None:
+    """Two DDP ranks with each backward captured by compiled autograd train as one eager process on both ranks'
+    batches: the all-reduce runs inside the captured graphs, also under gradient accumulation (where DDP skips it on
+    all but the last micro-batch). The strategy is `sum`: routing under compiled autograd has its own test
+    (test_module.py)."""
+    common = ["--residual", '"sum"', "--layers", "1", "--accumulate", "2", "--steps", "2"]
+    single = _run_here(workdir, "one-eager", *common, "--devices", "1", "--batch", "4")
+    compiled = _run(workdir, "ddp-compiled-autograd", *common, "--devices", "2", "--batch", "2", "--compiled-autograd")
+    ranks = [losses(compiled, rank) for rank in range(2)]
+    mean = {step: (ranks[0][step] + ranks[1][step]) / 2 for step in ranks[0]}  # of each step's last micro-batch
+    assert mean == pytest.approx(losses(single, 0), abs=1e-6, rel=0)
+    worst = max(_gradient_errors(compiled, single).items(), key=lambda item: item[1])
+    assert worst[1] < 1e-5, worst  # the first step's reduced gradients
+    want, got = (torch.load(out / "gathered.pt", weights_only=True) for out in (single, compiled))
+    for name in want:  # Adam turns rounding in near-zero gradients into steps of up to lr (3e-3)
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+GPUS = torch.cuda.device_count()
+GPU_RUN_TIMEOUT = 600  # seconds for a GPU run: a cold Inductor compile of the blocks and the backward can take minutes
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")

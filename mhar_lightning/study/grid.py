@@ -59,6 +59,7 @@ def recipe_name(recipe: Path) -> str:
         return str(Path(*path.parts[first:]))
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
+
 def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, Any] | str]) -> Variant:
     """`[NAME=]SPEC`: SPEC is a recipe (`.yaml`), a strategy of `strategies`, a registered residual name or a
     class path, the last two optionally with arguments (`mhar_lightning.residual.MHAR:heads=2,blocks=8`)."""

@@ -25,7 +25,7 @@ def test_consolidated_weights_equal_gathered_shards(tmp_path: Path) -> None:
         json.dumps(MHAR),
     ]
     result = run_ranks(*args, "--fsdp", "--devices", "2", "--steps", "4", "--ckpt-every", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:]
     sharded = out / "ckpt" / "last.ckpt"
     assert len(list(sharded.glob("*.distcp"))) == 2  # one shard file per rank
 

@@ -330,8 +330,9 @@ extra = {tr._forward_kernel: ("forward", {}),
          tr._backward_stats_kernel: ("stats", {"HAS_GLSE": True, "SC": tr.STATS_SOURCES}),
          tr._backward_apply_kernel: ("apply", {"BR": tr.APPLY_ROWS})}
 part, parts = map(int, sys.argv[1:])  # this process compiles every parts-th case from the part-th
-cases = itertools.product(extra.items(), (1, 2), ((0, 1), (1, 2)), (1024, 2048))
-for (fn, (kernel, more)), q, (k0, kr), d in itertools.islice(cases, part, None, parts):
+pairwise = [(1, (0, 1), 1024), (1, (1, 2), 2048), (2, (0, 1), 2048), (2, (1, 2), 1024)]  # each pair of settings
+cases = itertools.product(extra.items(), pairwise)
+for (fn, (kernel, more)), (q, (k0, kr), d) in itertools.islice(cases, part, None, parts):
     bh, bdh, warps = tr.kernel_launch(kernel, d, 8)  # the launch's warps: one for the forward at d = 1024
     consts = {"BH": bh, "BDH": bdh, "K0": k0, "KR": kr, "ALIGN": True, "Q": q} | more
     if fn is tr._forward_kernel:
@@ -344,8 +345,9 @@ for (fn, (kernel, more)), q, (k0, kr), d in itertools.islice(cases, part, None, 
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler rejects (a loop variable re-bound to a tensor, for one), so every
-    kernel is also compiled for sm_90 (one and two queries, each load kind, d = 1024 and 2048 at the launch's warps)
-    in processes without the interpreter: two, each compiling half of the cases (a compile uses one core)."""
+    kernel is also compiled for sm_90 in processes without the interpreter: for every pair of its settings (one or
+    two queries, each load kind, d = 1024 and 2048 at the launch's warps) a case that has both, in two processes
+    that compile half of the cases each (a compile uses one core)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     parts = 2
