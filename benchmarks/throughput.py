@@ -232,6 +232,18 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def recipe_items(item: str) -> list[str]:
+    """`RECIPE:KEY=VALUE[:KEY=VALUE]` split at the colons outside JSON values, so a value may be a strategy with its
+    arguments: `model.residual={"class_path": "mhar_lightning.residual.MHAR", "init_args": {"blocks": 8}}`."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(item):
+        depth += (char in "{[") - (char in "}]")
+        if char == ":" and depth == 0:
+            parts.append(item[start:index])
+            start = index + 1
+    return [*parts, item[start:]]
+
+
 def flags(items: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`KEY=VALUE` items as command-line flags `--KEY VALUE`."""
     out = []
@@ -246,7 +258,9 @@ def flags(items: list[str], parser: argparse.ArgumentParser) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "recipes", nargs="*", help="recipe files, each optionally RECIPE:KEY=VALUE[:KEY=VALUE]; ratios are to the first"
+        "recipes",
+        nargs="*",
+        help="recipe files, each optionally RECIPE:KEY=VALUE[:KEY=VALUE] (VALUE may be JSON); ratios are to the first",
     )
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=10, help="optimizer steps before the timed ones")
@@ -276,7 +290,7 @@ def main() -> None:
         loops = [False, True] if args.bare else [False]
         for bare in loops:
             for item in args.recipes:
-                recipe, *sets = item.split(":")
+                recipe, *sets = recipe_items(item)
                 spec = {"label": item, "recipe": recipe, "args": overrides + flags(sets, parser), "bare": bare}
                 specs.append(spec | {"probes": args.probes and not bare, "steps": args.steps, "warmup": args.warmup})
         for index, spec in enumerate(specs):

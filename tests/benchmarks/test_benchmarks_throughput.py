@@ -37,6 +37,14 @@ def test_flags_and_their_errors() -> None:
         throughput.flags(["model.compile"], parser)
 
 
+def test_a_recipe_item_splits_at_colons_outside_json_values() -> None:
+    residual = '{"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 8, "blocks": 8}}'
+    item = f"recipes/study/6m.yaml:model.residual={residual}:model.compile=false"
+    want = ["recipes/study/6m.yaml", f"model.residual={residual}", "model.compile=false"]
+    assert throughput.recipe_items(item) == want
+    assert throughput.recipe_items("recipes/demo.yaml") == ["recipes/demo.yaml"]
+
+
 def test_turns_wait_for_every_run_then_time_one_at_a_time(tmp_path: Path) -> None:
     """Two runs of a wave: neither times before both are warm, and their timed spans never overlap."""
     spans = {}
