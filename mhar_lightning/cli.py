@@ -1,6 +1,7 @@
 """The `mhar` command: the Trainer subcommands (fit, validate, test) and the kit's tools (prepare, compare, ...).
 
-Only the subcommand that runs is imported: a tool such as `mhar prepare` starts without loading Lightning.
+Only the subcommand that runs is imported: a tool such as `mhar prepare`, or `mhar --help`, starts without loading
+Lightning.
 """
 
 import os
@@ -11,13 +12,37 @@ from mhar_lightning.errors import MharError
 from mhar_lightning.terminal import quiet_third_party_noise
 from mhar_lightning.tools import TOOLS, run_tool
 
+TRAINER_COMMANDS = {
+    "fit": "Train: `mhar fit --config RECIPE [--section.key value ...]`.",
+    "validate": "Validate a checkpoint: `mhar validate --config RECIPE --ckpt_path CKPT`.",
+    "test": "Evaluate a checkpoint on the test split: `mhar test --config RECIPE --ckpt_path CKPT`.",
+}
+"""The Trainer's subcommands, run by `MharCLI` (LightningCLI)."""
+
+
+def usage() -> str:
+    """`mhar --help`: every subcommand in one screen, without building the Trainer's parser."""
+    lines = ["usage: mhar SUBCOMMAND [options]   (`mhar SUBCOMMAND --help` lists its options)", ""]
+    lines += ["Trainer subcommands (a recipe and any of its settings):"]
+    lines += [f"    {name:<12} {text}" for name, text in TRAINER_COMMANDS.items()]
+    lines += ["", "Tools:"]
+    lines += [f"    {name:<12} {text}" for name, (_, _, text) in TOOLS.items()]
+    return "\n".join(lines)
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `mhar` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["-h"], ["--help"]):
+        print(usage())
+        raise SystemExit(0)
+    if not args:
+        error = "mhar: error: name a subcommand, e.g. `mhar fit --config recipes/demo.yaml`"
+        print(usage(), "", error, sep="\n", file=sys.stderr)
+        raise SystemExit(2)
     quiet_third_party_noise()
     try:
-        if args and args[0] in TOOLS:
+        if args[0] in TOOLS:
             raise SystemExit(run_tool(args[0], args[1:]))
         from mhar_lightning.trainer_cli import MharCLI
 

@@ -20,10 +20,13 @@ from mhar_lightning.trainer_cli import MharCLI
 pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
-def test_a_tool_starts_without_loading_torch_or_lightning() -> None:
-    """`mhar prepare` (and `mhar` before it dispatches) imports neither: a tool answers at once."""
+def test_a_tool_and_the_help_start_without_loading_torch_or_lightning() -> None:
+    """`mhar prepare` (and `mhar` before it dispatches) and `mhar --help` import neither: they answer at once."""
     code = (
-        "import sys, mhar_lightning.cli, mhar_lightning.data.prepare; print({'torch', 'lightning'} & set(sys.modules))"
+        "import contextlib, io, sys, mhar_lightning.cli, mhar_lightning.data.prepare\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    mhar_lightning.cli.main(['--help'])\n"
+        "print({'torch', 'lightning'} & set(sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "set()"
@@ -140,6 +143,9 @@ def test_help_lists_trainer_subcommands_and_tools(capsys) -> None:
         assert f"    {name} " in out, name
     code, out, _ = run(["prepare", "--help"], capsys)
     assert code == 0 and "mhar prepare" in out
+    code, out, err = run([], capsys)
+    assert code == 2 and "    fit " in err
+    assert err.strip().endswith("name a subcommand, e.g. `mhar fit --config recipes/demo.yaml`")
 
 
 def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch, capsys, demo_run) -> None:
