@@ -19,18 +19,21 @@ CMAP = "viridis"
 NORM = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
 SITE_AXIS = "routing site (input of sublayer)"
 SOURCE_AXIS = "source (output it reads from)"
-CAPTION = "each row sums to 1 · blank: source not available at that site"
+ROW_SUMS = "each row sums to 1"
+BLANK = "blank: source not available at that site"
 SOURCE_NOTES = {
     "partial": "block b: sum of block b's sublayer outputs · partial: this block's outputs so far",
     "null": "null: learned null source · Δ block b: residual-stream change over block b",
-    "stream 0": "stream k: the k-th of the parallel residual streams (hyper-connections)",
+    "stream 0": "stream k: the k-th of the parallel residual streams (hyper-connections); its read weights are "
+    "learned, of any sign, and a row need not sum to 1",
 }
 
 
 def caption(maps: DepthMaps, width_in: float) -> str:
     """How to read a map (row sums, blank cells, block/delta sources), wrapped to `width_in` inches."""
     notes = [note for label, note in SOURCE_NOTES.items() if label in maps.source_labels]
-    return "\n".join(textwrap.fill(line, int(width_in * 11)) for line in (CAPTION, *notes))
+    first = BLANK if "stream 0" in maps.source_labels else f"{ROW_SUMS} · {BLANK}"
+    return "\n".join(textwrap.fill(line, int(width_in * 11)) for line in (first, *notes))
 
 
 def to_image(fig: Figure) -> np.ndarray:
@@ -79,10 +82,13 @@ def draw_map(fig: Figure, ax, weights: np.ndarray, maps: DepthMaps, title: str, 
 def depth_map_figure(maps: DepthMaps, head: int | None = None, suffix: str = "") -> Figure:
     """One map: a single head's weights, or the head average when `head` is None."""
     weights = maps.mean_weights if head is None else maps.weights[:, head]
-    which = f"mean over {maps.heads} heads" if head is None else f"head {head} of {maps.heads}"
+    if head is None:
+        which = "one head" if maps.heads == 1 else f"mean over {maps.heads} heads"
+    else:
+        which = f"head {head} of {maps.heads}"
     width, height = _map_size(maps)
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
-    fig.suptitle(f"Depth attention, {which}{suffix}", fontsize=11)
+    fig.suptitle(textwrap.fill(f"Depth attention, {which}{suffix}", int(width * 9)), fontsize=11)
     draw_map(fig, fig.add_subplot(), weights, maps, caption(maps, width))
     return fig
 

@@ -8,6 +8,7 @@ import torch
 from cli_helpers import corpus_cache, fast_demo_args, final_weights, scalars
 from torch import nn
 
+from mhar_lightning.callbacks.plots import caption
 from mhar_lightning.cli import main
 from mhar_lightning.commands.inspect import main as inspect
 from mhar_lightning.config import ModelConfig
@@ -146,6 +147,7 @@ def test_probe_shows_read_weights_over_streams_and_write_weights() -> None:
     assert sorted(maps.scalars) == ["hc_mix_cross", "hc_mix_self", *(f"hc_write_{k}" for k in range(4))]
     assert maps.scalars["hc_write_2"][:-1].tolist() == [1.0] * TINY.n_sublayers  # B = 1; the final read writes none
     assert maps.scalars["hc_mix_self"][0] == 1.0 and maps.scalars["hc_mix_cross"][0] == 0.0  # A_r = I
+    assert "sums to 1" not in caption(maps, 6.0) and "any sign" in caption(maps, 6.0)  # read weights are not a softmax
 
 
 @pytest.fixture(scope="module")
