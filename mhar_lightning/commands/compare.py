@@ -256,23 +256,22 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
     return failed
 
 
-def collect(runs: list[Run], reread: bool) -> list[RunResult]:
-    """The finished runs' results, re-read from their logs where the logs are there and `reread` is set."""
-    results = []
-    for run in runs:
-        if not run.finished:
-            continue
-        result = RunResult.load(run.dir)
-        if reread and (run.dir / "tensorboard").is_dir():
-            result = read_run(run.dir, run.variant.name, run.seed, run.variant.describe(), result.shared)
-            result.save(run.dir)
-        results.append(result)
-    return results
+def recorded_order(study: Path) -> list[str]:
+    """The variant order recorded in `study` by earlier calls (the baseline first), or none."""
+    return json.loads((study / STUDY_FILE).read_text())["variants"] if (study / STUDY_FILE).is_file() else []
+
+
+def study_order(study: Path, names: list[str], baseline: str | None) -> list[str]:
+    """The recorded order with this call's new variants after it, so a study grown in several calls (the methods,
+    then a head sweep) keeps its first baseline; `baseline`, when given, goes first."""
+    order = recorded_order(study)
+    order += [name for name in names if name not in order]
+    return [baseline, *(name for name in order if name != baseline)] if baseline else order
 
 
 def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
     """Every finished run under `study/runs`, re-read from its logs where they are there, and the variant order."""
-    order = json.loads((study / STUDY_FILE).read_text())["variants"] if (study / STUDY_FILE).is_file() else []
+    order = recorded_order(study)
     results = []
     for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
         result = RunResult.load(path.parent)
@@ -304,19 +303,15 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
     unfinished, failed = 0, []
     try:
-        if args.report_only is not None and not args.variants:
-            results, order = collect_all(args.out)
-        else:
+        if args.variants:
             variants, runs = grid(args, overrides)
-            order = [v.name for v in variants]
-            if args.baseline:  # the baseline goes first, for a later `--report-only DIR`
-                order = [args.baseline, *(name for name in order if name != args.baseline)]
+            order = study_order(args.out, [v.name for v in variants], args.baseline)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / STUDY_FILE).write_text(json.dumps({"variants": order}) + "\n")
             if args.report_only is None:
                 failed = train(runs, args, console)
-            results = collect(runs, reread=args.report_only is not None)
             unfinished = sum(not run.finished for run in runs)
+        results, order = collect_all(args.out)  # this call's runs and those of earlier calls
     except (ValueError, RuntimeError) as error:
         console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
         return 1

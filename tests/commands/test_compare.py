@@ -127,6 +127,17 @@ def test_rerun_and_report_only_rebuild_the_same_report(study: Path, tmp_path: Pa
     assert (copy / "report.md").read_text() == report
 
 
+def test_a_study_grown_by_a_later_call_keeps_its_baseline_and_reports_every_run(study: Path, tmp_path: Path) -> None:
+    grown = tmp_path / "grown"
+    shutil.copytree(study, grown)
+    variant = "mhar-h2=mhar:heads=2,blocks=4"
+    assert compare([variant, "--recipe", str(DEMO), "--out", str(grown), "--max-runs", "0", *FAST]) == 0
+    results = json.loads((grown / "results.json").read_text())
+    assert results["baseline"] == "sum" and [v["variant"] for v in results["variants"]] == ["sum", "mhar-block"]
+    assert len(results["runs"]) == 4  # the earlier call's runs; the new variant has none yet
+    assert json.loads((grown / "study.json").read_text())["variants"] == ["sum", "mhar-block", "mhar-h2"]
+
+
 def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> None:
     assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
     assert "was started as" in capsys.readouterr().out
