@@ -185,17 +185,16 @@ def test_compiled_blocks_keep_their_graphs_through_evaluation(monkeypatch: pytes
     """Each block needs a graph for training and another for no-grad evaluation: `compile_blocks` leaves room for
     both, so a validation between training steps sends no block back to eager (dynamo is told to fail instead)."""
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda graph, inputs, **kwargs: graph.forward)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     model = LanguageModel(seq_len=16, residual="mhar", model_overrides={"n_layers": 2})
     model.configure_model()
-    compile_blocks(model.decoder)
     batch = torch.randint(0, 256, (2, 17))
-    model.loss(batch).backward()
-    with torch.inference_mode():
-        model.loss(batch)
-    model.loss(batch[:1]).backward()
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        compile_blocks(model.decoder)
+        model.loss(batch).backward()
+        with torch.inference_mode():
+            model.loss(batch)
+        model.loss(batch[:1]).backward()
     torch._dynamo.reset()
 
 
