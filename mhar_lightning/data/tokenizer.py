@@ -197,6 +197,14 @@ def _eos_token(directory: Path) -> str | None:
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
+
+
+def ships_tokenizer(directory: Path) -> bool:
+    """Whether a model directory holds one of the tokenizer files that `load_tokenizer(directory)` reads."""
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
 def _from_directory(directory: Path) -> Tokenizer:
     """The tokenizer a model directory ships: ``tokenizer.json``, else a Llama 3 tiktoken ``tokenizer.model``."""
     if (directory / "tokenizer.json").is_file():

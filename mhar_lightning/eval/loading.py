@@ -10,7 +10,7 @@ import torch
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, load_decoder
-from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
+from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer, ships_tokenizer
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
@@ -47,8 +47,8 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     init_from = None
-    if path.is_dir() and (path / CONFIG_FILE).is_file():
-        model, recorded = load_decoder(path), None
+    if path.is_dir() and (path / CONFIG_FILE).is_file():  # a converted directory ships its source's tokenizer
+        model, recorded = load_decoder(path), str(path) if ships_tokenizer(path) else None
     elif path.is_dir() and (path / META_FILE).is_file():
         raise ValueError(f"{path} is a sharded checkpoint: merge it first with `mhar consolidate {path} model.ckpt`")
     elif path.is_file():
@@ -90,7 +90,9 @@ def run_decoder(path: Path, raw: dict) -> Decoder:
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The checkpoint argument and the options every inference command shares."""
     parser.add_argument("checkpoint", type=Path, help=".ckpt file, consolidated checkpoint or converted directory")
-    parser.add_argument("--tokenizer", help="tokenizer name or file (default: the one the run trained with)")
+    parser.add_argument(
+        "--tokenizer", help="tokenizer name or file (default: the one the run trained with, or a directory's own)"
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import REPO, scalars
-from hf_helpers import trained_llama, transformers, write_corpus
+from hf_helpers import tokenizers, trained_llama, transformers, write_corpus
 
 from mhar_lightning.cli import main
 from mhar_lightning.convert import load_decoder
@@ -162,6 +162,24 @@ def test_conversion_is_exact_in_training(source, tmp_path, residual):
     for name, param in ours.named_parameters():
         if "residual" not in name:
             torch.testing.assert_close(param.grad, theirs[hf_names(ours.config)[name]].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_converted_directory_generates_what_transformers_generates(converted, capsys):
+    """`mhar generate DIR` reads the tokenizer that `convert-hf` copied, and greedy decoding of the converted model
+    (zero gates: the source's function) continues a prompt with the tokens `transformers` picks."""
+    root, hf, conv, _ = converted
+    prompt = "the quick brown fox"
+    args = ["--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0", "--device", "cpu"]
+    assert mhar("generate", conv, *args) == 0
+    tokenizer = tokenizers.Tokenizer.from_file(str(root / "hf" / "tokenizer.json"))
+    ids = tokenizer.encode(prompt).ids
+    eos = hf.config.eos_token_id
+    with torch.no_grad():
+        greedy = hf.eval().generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=eos)[0]
+    new = greedy[len(ids) :].tolist()
+    new = new[: new.index(eos)] if eos in new else new
+    assert len(new) >= 4  # a continuation, not an immediate end of text
+    assert capsys.readouterr().out == tokenizer.decode(ids + new) + "\n"
 
 
 def test_sum_midtraining_exports_back_to_transformers(converted, tmp_path):
