@@ -269,13 +269,14 @@ def study_order(study: Path, names: list[str], baseline: str | None) -> list[str
     return [baseline, *(name for name in order if name != baseline)] if baseline else order
 
 
-def collect_all(study: Path) -> tuple[list[RunResult], list[str]]:
-    """Every finished run under `study/runs`, re-read from its logs where they are there, and the variant order."""
+def collect_all(study: Path, reread: bool) -> tuple[list[RunResult], list[str]]:
+    """Every finished run under `study/runs` (re-read from its logs where they are there and `reread` is set) and
+    the variant order."""
     order = recorded_order(study)
     results = []
     for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
         result = RunResult.load(path.parent)
-        if (path.parent / "tensorboard").is_dir():
+        if reread and (path.parent / "tensorboard").is_dir():
             result = read_run(path.parent, result.variant, result.seed, result.definition, result.shared)
             result.save(path.parent)
         results.append(result)
@@ -311,7 +312,7 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
             if args.report_only is None:
                 failed = train(runs, args, console)
             unfinished = sum(not run.finished for run in runs)
-        results, order = collect_all(args.out)  # this call's runs and those of earlier calls
+        results, order = collect_all(args.out, reread=args.report_only is not None)  # earlier calls' runs too
     except (ValueError, RuntimeError) as error:
         console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
         return 1

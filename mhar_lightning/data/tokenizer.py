@@ -209,7 +209,7 @@ def _from_directory(directory: Path) -> Tokenizer:
     """The tokenizer a model directory ships: ``tokenizer.json``, else a Llama 3 tiktoken ``tokenizer.model``."""
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory / "tokenizer.json", _eos_token(directory))
-    for model in (directory / "tokenizer.model", directory / "original" / "tokenizer.model"):
+    for model in (directory / name for name in TOKENIZER_FILES[1:]):
         if model.is_file():
             try:
                 return _from_file(model)
