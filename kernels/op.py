@@ -135,7 +135,7 @@ class _MergeNorm(torch.autograd.Function):
 
 
 def depth_route_lse(
-    sources: Sequence[Tensor], route: RouteQuery, counts: Sequence[int] | None = None
+    sources: Sequence[Tensor], query: RouteQuery, counts: Sequence[int] | None = None
 ) -> tuple[Tensor, Tensor] | tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
     """The fused route with the reference's contract (shapes, checks, promoted output dtype), and the per-head
     log-sum-exp of its logits ([..., heads], fp32), through which `reference.merge_source` adds a source later.
@@ -149,22 +149,27 @@ def depth_route_lse(
     """
     if len(sources) == 0:
         raise ValueError("depth routing needs at least one source")
-    d = route.d
+    d = query.d
     if any(v.shape[-1] != d for v in sources):
         raise ValueError(f"source widths {[v.shape[-1] for v in sources]} do not all match query width {d}")
     if any(v.shape != sources[0].shape for v in sources):
         lead = torch.broadcast_shapes(*(v.shape for v in sources))[:-1]
         sources = [v.expand(*lead, d) for v in sources]
-    u = route.folded(torch.float32).reshape(-1, d)
+    u = query.folded(torch.float32).reshape(-1, d)
     counts = check_counts(counts, len(u), len(sources))
     dtype = functools.reduce(torch.promote_types, (v.dtype for v in sources))
     mixes, lses = [], []
+    tracked = torch.is_grad_enabled() and (u.requires_grad or any(v.requires_grad for v in sources))
     for first in range(0, len(u), route_launch.MAX_QUERIES):
         chunk = counts[first : first + route_launch.MAX_QUERIES]
-        *out, lse = _Route.apply(u[first : first + len(chunk)], route.heads, route.eps, chunk, *sources[: max(chunk)])
+        args = (u[first : first + len(chunk)], query.heads, query.eps, chunk)
+        if tracked:
+            *out, lse = _Route.apply(*args, *sources[: max(chunk)])
+        else:  # dynamo inlines a Function's forward without gradients and then drops its ctx at two sources
+            out, lse, _ = route(list(sources[: max(chunk)]), *args)
         mixes += [mix.to(dtype) for mix in out]
         lses += lse.unbind(0)
-    return (tuple(mixes), tuple(lses)) if route.query.dim() == 2 else (mixes[0], lses[0])
+    return (tuple(mixes), tuple(lses)) if query.query.dim() == 2 else (mixes[0], lses[0])
 
 
 def depth_route(sources: Sequence[Tensor], route: RouteQuery) -> Tensor:

@@ -430,6 +430,25 @@ def test_opcheck():
         torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
 
 
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_compiled_without_gradients_matches_reference(no_grad):
+    """Compiled evaluation (a validation between training steps) routes over any number of sources: dynamo once
+    passed the fused route's arguments shifted by one at exactly two sources."""
+    sources, query, gain, _ = make(3, 16, (2, 3), [torch.float32] * 3, queries=2)
+    route = torch.compile(
+        lambda *src: depth_route_lse(list(src), query, gain, 4, counts=(len(src), 1), backend="triton"),
+        backend="eager",
+        fullgraph=True,
+    )
+    for n in (1, 2, 3):
+        with no_grad():
+            (mix, first), (lse, _) = route(*sources[:n])
+        want, want_lse = reference.depth_route_lse(sources[:n], query[0], gain[0], 4)
+        assert rel(mix, want) < TOL[torch.float32] and rel(lse, want_lse) < TOL[torch.float32]
+        assert rel(first, sources[0]) < TOL[torch.float32]
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(
     "compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))]
 )
