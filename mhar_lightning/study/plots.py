@@ -41,7 +41,8 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
             tokens, mean, low, high = seed_band(runs, curve, smooth)
             if not len(tokens):
                 continue
-            (line,) = ax.plot(tokens, mean, label=f"{name} ({len(runs)} seeds)", marker="." if len(tokens) < 30 else "")
+            label = f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+            (line,) = ax.plot(tokens, mean, label=label, marker="." if len(tokens) < 30 else "")
             ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
             late = tokens >= 0.25 * tokens[-1]
             tails.append((low[late].min(), high[late].max()))
