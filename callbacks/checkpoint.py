@@ -4,6 +4,7 @@ import os
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from mhar_lightning.divergence import weights_finite
 from mhar_lightning.errors import TrainingDiverged
@@ -17,6 +18,7 @@ class FinalStepCheckpoint(ModelCheckpoint):
     writes `last-v1.ckpt` beside a `last.ckpt` that still names the checkpoint it resumed from. Here a run without
     a monitored metric saves the step it ends at (a top-k checkpoint and `last`), and a resumed run takes over the
     `last.ckpt` of the directory it resumed from. A fresh run never overwrites an earlier run's `last.ckpt`.
+    A run stopped by SIGTERM (a scheduler's preemption) between training steps saves the step it stopped at.
     Weights that are not finite are never saved: the run stops instead, keeping the last finite checkpoint.
     """
 
@@ -37,6 +39,10 @@ class FinalStepCheckpoint(ModelCheckpoint):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if 0 < trainer.max_epochs <= trainer.current_epoch + 1:
+            self._save_final(trainer)
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.training:  # not in the middle of a validation
             self._save_final(trainer)
 
     def _save_final(self, trainer: "pl.Trainer") -> None:

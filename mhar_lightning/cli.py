@@ -5,6 +5,7 @@ Lightning.
 """
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -15,9 +16,15 @@ from mhar_lightning.tools import TOOLS, run_tool
 TRAINER_COMMANDS = {
     "fit": "Train: `mhar fit --config RECIPE [--section.key value ...]`.",
     "validate": "Validate a checkpoint: `mhar validate --config RECIPE --ckpt_path CKPT`.",
-    "test": "Evaluate a checkpoint on the test split: `mhar test --config RECIPE --ckpt_path CKPT`.",
+    "test": "Refused: prepared data has train and val splits only, no test split; use `mhar validate`.",
 }
 """The Trainer's subcommands, run by `MharCLI` (LightningCLI)."""
+TOOL_ERROR = 1
+"""What a tool returns after printing its one-line error; `mhar` exits with `MharError.exit_code` instead, the exit
+code of every user error."""
+STOPPED_BY_SIGTERM = 128 + signal.SIGTERM
+"""Exit code of a run stopped by SIGTERM (the shell's convention), so a job scheduler or `mhar compare` never takes
+it for a finished one."""
 
 
 def usage() -> str:
@@ -43,10 +50,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     quiet_third_party_noise()
     try:
         if args[0] in TOOLS:
-            raise SystemExit(run_tool(args[0], args[1:]))
+            code = run_tool(args[0], args[1:])
+            raise SystemExit(MharError.exit_code if code == TOOL_ERROR else code)
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         from mhar_lightning.trainer_cli import MharCLI
 
-        MharCLI(args=None if argv is None else args)
+        try:
+            MharCLI(args=None if argv is None else args)
+        except SIGTERMException:  # a SystemExit without a code: the process would exit 0 as if training had ended
+            print("mhar: stopped by SIGTERM; resume from the last checkpoint with --ckpt_path last", file=sys.stderr)
+            raise SystemExit(STOPPED_BY_SIGTERM) from None
     except MharError as error:
         if os.environ.get("MHAR_TRACEBACK") == "1":
             raise

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -75,6 +76,17 @@ class StopAtStep(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class SigtermAtStep(L.Callback):
+    """Send this process SIGTERM once `step` optimizer steps are done (a scheduler preempting a run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def scalars(root: Path, tag: str, version: int | None = None) -> dict[int, float]:

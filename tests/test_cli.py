@@ -176,3 +176,25 @@ def test_compiled_autograd_under_fsdp2_is_one_line(tmp_path: Path, capsys) -> No
         "mhar: error: compiled_autograd=true is refused: it runs in one process or under DDP, not under ModelParallel"
     )
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_run_stopped_by_sigterm_exits_143_after_its_last_checkpoint(tmp_path: Path) -> None:
+    """A job scheduler's SIGTERM: the run stops after its step, keeps its checkpoints and exits 128 + 15, not 0."""
+    import signal
+
+    args = [*fast_demo_args(tmp_path, max_steps=200), "--trainer.enable_progress_bar", "true"]  # a plain line a step
+    cmd = [sys.executable, "-m", "mhar_lightning.cli", *args]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert any(line.startswith("step 3/200") for line in process.stdout), "the run ended before step 3"
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
+    last = output.strip().splitlines()[-1]
+    assert last == "mhar: stopped by SIGTERM; resume from the last checkpoint with --ckpt_path last"
+    assert 3 <= checkpoint_step(tmp_path) < 200
+
+
+def test_help_says_that_test_is_refused(capsys) -> None:
+    code, out, _ = run(["--help"], capsys)
+    line = next(line for line in out.splitlines() if line.startswith("    test "))
+    assert code == 0 and "Refused: prepared data has train and val splits only" in line

@@ -197,3 +197,19 @@ def test_another_rank_file_of_the_same_size_is_refused_for_data_and_checkpoint(t
         f"mhar: error: checkpoint {ckpt} was trained with a tokenizer of fingerprint "
     )
     assert last_line(err).endswith("(another rank file): pass the rank file it was trained with")
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["prepare", "{tmp}/missing", "{tmp}/out"],
+         "mhar prepare: error: source {tmp}/missing does not exist: pass a file or a folder of .jsonl, .md, .parquet,"
+         " .py, .txt"),
+        (["compare", "mhra", "--out", "{tmp}"],
+         "mhar compare: error: unknown variant 'mhra': use a recipe (.yaml), one of sum, "),
+    ],
+)  # fmt: skip
+def test_a_tool_error_is_one_line_with_exit_code_2(tmp_path: Path, capsys, args: list[str], line: str) -> None:
+    code, out, err = run([arg.format(tmp=tmp_path) for arg in args], capsys)
+    assert code == 2
+    assert last_line(err or out).startswith(line.format(tmp=tmp_path))

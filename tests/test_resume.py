@@ -40,3 +40,22 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path: Path, launch, request: p
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_run_preempted_by_sigterm_saves_its_step_and_resumes_exactly(tmp_path: Path) -> None:
+    """SIGTERM after step k with no periodic save due: the run saves step k, exits 143, and resuming it gives the
+    uninterrupted run's losses and weights."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    rare_saves = ["--checkpoint.every_n_train_steps", "100"]
+    main(fast_demo_args(full, N) + NO_PROBES + rare_saves)
+    sigterm = ["--trainer.callbacks+=cli_helpers.SigtermAtStep", f"--trainer.callbacks.step={K + 1}"]
+    with pytest.raises(SystemExit) as stopped:
+        main(fast_demo_args(resumed, N) + NO_PROBES + rare_saves + sigterm)
+    assert stopped.value.code == 143
+    saved = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert saved == K + 1
+    main(fast_demo_args(resumed, N) + NO_PROBES + rare_saves + ["--ckpt_path", "last"])
+    reference, after_resume = scalars(full, "train/loss"), scalars(resumed, "train/loss", version=-1)
+    assert after_resume == {step: reference[step] for step in range(K + 1, N)}
+    want, got = final_weights(full), final_weights(resumed)
+    assert all(torch.equal(got[name], want[name]) for name in want)

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from mhar_lightning.errors import MharError
 from mhar_lightning.study import plots, report
 from mhar_lightning.study.continuation import convert_checkpoint
 from mhar_lightning.study.grid import CHILDREN, LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
@@ -142,6 +143,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         overrides = [*TINY_OVERRIDES, *overrides]
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: train at least one run at a time")
+    if args.max_runs is not None and args.max_runs < 0:
+        parser.error(f"--max-runs {args.max_runs}: pass 0 or more runs to train in this call")
+    if args.time_budget is not None and args.time_budget <= 0:
+        parser.error(f"--time-budget {args.time_budget:g}: pass the seconds this call may train, more than 0")
     if not args.recipe.is_file():
         parser.error(f"recipe {args.recipe} does not exist: pass --recipe <file>")
     return args, overrides
@@ -202,6 +207,8 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
     todo = [r for r in runs if not r.finished and (not args.only or r.variant.name in args.only)]
     if args.max_runs is not None:
         todo = todo[: args.max_runs]
+    for run in todo:
+        run.check_final_validation()
     jobs = min(args.jobs, len(todo))
     console.print(f"{sum(r.finished for r in runs)} of {len(runs)} runs finished; training {len(todo)} in this call")
     start, longest = time.monotonic(), 0.0
@@ -269,12 +276,14 @@ def study_order(study: Path, names: list[str], baseline: str | None) -> list[str
     return [baseline, *(name for name in order if name != baseline)] if baseline else order
 
 
-def collect_all(study: Path, reread: bool) -> tuple[list[RunResult], list[str]]:
+def collect_all(study: Path, reread: bool, unfinished: set[Path]) -> tuple[list[RunResult], list[str]]:
     """Every finished run under `study/runs` (re-read from its logs where they are there and `reread` is set) and
-    the variant order."""
+    the variant order. `unfinished`: run folders whose result stops short of their `trainer.max_steps`."""
     order = recorded_order(study)
     results = []
     for path in sorted(study.glob(f"runs/*/seed*/{RESULT_FILE}")):
+        if path.parent in unfinished:
+            continue
         result = RunResult.load(path.parent)
         if reread and (path.parent / "tensorboard").is_dir():
             result = read_run(path.parent, result.variant, result.seed, result.definition, result.shared)
@@ -302,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def study(args: argparse.Namespace, overrides: list[str]) -> int:
     """Train the study's unfinished runs (unless `--report-only`), then report every finished run."""
     console = Console() if Console().is_terminal else Console(width=200)  # a log file gets the whole table
-    unfinished, failed = 0, []
+    unfinished: set[Path] = set()
+    failed: list[str] = []
     try:
         if args.variants:
             variants, runs = grid(args, overrides)
@@ -311,24 +321,24 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
             (args.out / STUDY_FILE).write_text(json.dumps({"variants": order}) + "\n")
             if args.report_only is None:
                 failed = train(runs, args, console)
-            unfinished = sum(not run.finished for run in runs)
-        results, order = collect_all(args.out, reread=args.report_only is not None)  # earlier calls' runs too
+            unfinished = {run.dir for run in runs if not run.finished}
+        results, order = collect_all(args.out, args.report_only is not None, unfinished)  # earlier calls' runs too
     except (ValueError, RuntimeError) as error:
         console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
-        return 1
+        return MharError.exit_code
     if not results:
         console.print(f"no finished runs in {args.out}/runs yet" + (f"; {len(failed)} failed" if failed else ""))
-        return 1
+        return MharError.exit_code
     baseline = args.baseline or next(name for name in order if any(r.variant == name for r in results))
     summaries = report.summarize(results, baseline)
     paths = plots.write_plots(args.out, results, summaries, baseline)
     path = report.write(args.out, results, summaries, baseline, paths)
-    title = f"{len(results)} runs" + (f" ({unfinished} still to train)" if unfinished else "")
+    title = f"{len(results)} runs" + (f" ({len(unfinished)} still to train)" if unfinished else "")
     console.print(report.console_table(summaries, baseline, title))
     console.print(f"report: {path}")
     if failed:
         console.print(f"mhar compare: error: {len(failed)} runs failed ({', '.join(failed)}); their logs say why")
-        return 1
+        return MharError.exit_code
     return 0
 
 

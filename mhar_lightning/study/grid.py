@@ -16,6 +16,7 @@ from typing import IO, Any
 import yaml
 
 from mhar_lightning.residual import RESIDUALS
+from mhar_lightning.trainer_cli import recipe_chain
 
 RESULT_FILE = "result.json"
 ARGS_FILE = "args.json"
@@ -58,6 +59,22 @@ def recipe_name(recipe: Path) -> str:
         first = len(folders) - 1 - folders[::-1].index("recipes")
         return str(Path(*path.parts[first:]))
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def trainer_settings(recipe: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """The `trainer` keys a run's `mhar fit` gets from its recipe's chain and `--trainer.KEY value` overrides (the
+    later wins, as jsonargparse merges them): a run's settings checked before it trains. Unset keys are absent."""
+    settings: dict[str, Any] = {}
+    for path in recipe_chain(recipe):
+        settings.update((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
+    words = iter(overrides)
+    for word in words:  # `--section.key value` or `--section.key=value`, as `mhar compare` split them
+        flag, eq, value = word.partition("=")
+        value = value if eq else next(words, "")
+        key = flag.removeprefix("--trainer.")
+        if flag.startswith("--trainer.") and key.isidentifier():
+            settings[key] = yaml.safe_load(value)
+    return settings
 
 
 def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, Any] | str]) -> Variant:
@@ -107,7 +124,32 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return (self.dir / RESULT_FILE).is_file()
+        """Whether the run has a result that reached its `trainer.max_steps` (a run stopped early resumes)."""
+        path = self.dir / RESULT_FILE
+        if not path.is_file():
+            return False
+        max_steps = trainer_settings(self.variant.recipe, self.overrides).get("max_steps") or 0
+        return json.loads(path.read_text())["steps"] >= max_steps
+
+    def check_final_validation(self) -> None:
+        """Refuse, before any training, a run that would end without validating its final weights: the report's
+        validation loss is the loss of the last step."""
+        trainer = trainer_settings(self.variant.recipe, self.overrides)
+        steps, interval = trainer.get("max_steps"), trainer.get("val_check_interval")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{self.variant.name}: trainer.max_steps={steps}: set --trainer.max_steps N (N >= 1)")
+        if trainer.get("limit_val_batches") == 0:
+            raise ValueError(f"{self.variant.name}: trainer.limit_val_batches=0 validates nothing: remove it")
+        accumulate = trainer.get("accumulate_grad_batches") or 1
+        if not isinstance(interval, int) or (steps * accumulate) % interval:
+            counted = f"trainer.max_steps={steps}"
+            if accumulate > 1:  # the interval counts batches
+                counted += f" x accumulate_grad_batches={accumulate}"
+            raise ValueError(
+                f"{self.variant.name}: trainer.val_check_interval={interval} does not divide {counted}, so the run "
+                f"would not validate its final weights: pass --trainer.val_check_interval N, N a divisor of "
+                f"{steps * accumulate}"
+            )
 
     def check_arguments(self) -> None:
         """Record the run's definition on its first start; refuse to skip or resume a run started differently."""

@@ -110,15 +110,20 @@ def steady(values: dict[int, float]) -> float | None:
 
 def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: int = 1) -> RunResult:
     """The result of the finished run in `run_dir`, from its logs; also copies its last depth-attention maps there.
-    `shared`: the runs that trained at the same time on the machine."""
+    A run whose logs end before its `trainer.max_steps` is refused. `shared`: the runs that trained at the same time
+    on the machine."""
     found = versions(run_dir)
     if not found:
         raise ValueError(f"{run_dir} has no TensorBoard logs: not a run of `mhar fit`")
     scalars = read_scalars(run_dir)
-    if not scalars[VAL_LOSS]:
-        raise ValueError(f"{run_dir} logged no {VAL_LOSS}: set trainer.val_check_interval to divide trainer.max_steps")
     latest = found[-1]
     config = yaml.safe_load((latest / "config.yaml").read_text())
+    steps = max([*scalars[TRAIN_LOSS], *scalars[VAL_LOSS]], default=0)
+    max_steps = config["trainer"]["max_steps"]
+    if steps < max_steps:  # stopped early (a signal, a callback): its last checkpoint resumes it
+        raise ValueError(f"{run_dir} stopped at step {steps} of trainer.max_steps={max_steps}: the next call resumes it")
+    if not scalars[VAL_LOSS]:
+        raise ValueError(f"{run_dir} logged no {VAL_LOSS}: set trainer.val_check_interval to divide trainer.max_steps")
     # hparams.yaml has the linked vocabulary, config.yaml the residual strategy
     hparams = {**yaml.safe_load((latest / "hparams.yaml").read_text()), "residual": config["model"]["residual"]}
     device_speed, speed = steady(scalars[DEVICE_TOKENS_PER_SEC]), steady(scalars[TOKENS_PER_SEC])
@@ -135,7 +140,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: in
         variant=variant,
         seed=seed,
         definition=definition,
-        steps=max([*train, val_step]),
+        steps=steps,
         tokens_per_step=tokens_per_step(config, world_size),
         params=params,
         routing_params=routing,

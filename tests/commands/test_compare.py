@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, corpus_cache, scalars
+from cli_helpers import DEMO, corpus_cache, env_with_tests_on_path, scalars
 from rich.console import Console
 
 from mhar_lightning.cli import main as mhar
@@ -139,7 +139,7 @@ def test_a_study_grown_by_a_later_call_keeps_its_baseline_and_reports_every_run(
 
 
 def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> None:
-    assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 1
+    assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 2
     assert "was started as" in capsys.readouterr().out
     assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
 
@@ -180,8 +180,49 @@ def test_variants_seeds_and_overrides_in_any_order(capsys) -> None:
     ],
 )
 def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: Path, capsys) -> None:
-    assert compare([*args, "--out", str(tmp_path)]) == 1
+    assert compare([*args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--max-runs", "-1"], "--max-runs -1: pass 0 or more runs to train in this call"),
+        (["--jobs", "0"], "--jobs 0: train at least one run at a time"),
+        (["--time-budget", "0"], "--time-budget 0: pass the seconds this call may train, more than 0"),
+    ],
+)
+def test_limits_out_of_range_are_refused(flag: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["sum", *flag])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(f"mhar compare: error: {message}")
+
+
+def test_runs_that_would_not_validate_their_final_weights_are_refused_before_training(tmp_path: Path, capsys) -> None:
+    assert compare(["sum", "--seeds", "0", "--out", str(tmp_path), "--trainer.max_steps", "2"]) == 2
+    assert capsys.readouterr().out.strip() == (
+        "mhar compare: error: sum: trainer.val_check_interval=150 does not divide trainer.max_steps=2, so the run"
+        " would not validate its final weights: pass --trainer.val_check_interval N, N a divisor of 2"
+    )
+    assert not (tmp_path / "runs").exists()  # nothing trained, no run recorded: the suggested flag is accepted next
+
+
+def test_a_run_stopped_before_its_max_steps_is_not_finished_and_resumes(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PYTHONPATH", env_with_tests_on_path()["PYTHONPATH"])  # the runs import `StopAtStep`
+    real_mhar = compare_module.mhar
+    monkeypatch.setattr(compare_module, "mhar", lambda args, log: real_mhar([*args, *STOP], log))  # exits 0 at step 3
+    argv = ["sum", "--recipe", str(DEMO), "--out", str(tmp_path), *FAST]
+    assert compare(argv) == 2
+    run = run_dir(tmp_path, "sum", 0)
+    assert f"{run} stopped at step 3 of trainer.max_steps=6: the next call resumes it" in capsys.readouterr().out
+    assert final_step(run) == 3 and not (run / "result.json").exists()
+    (run / "result.json").write_text(json.dumps({"steps": 3}))  # as recorded before runs were checked: not finished
+    assert compare([*argv, "--max-runs", "0"]) == 2
+    assert "no finished runs" in capsys.readouterr().out  # not reported
+    monkeypatch.setattr(compare_module, "mhar", real_mhar)
+    assert compare(argv) == 0
+    assert json.loads((run / "result.json").read_text())["steps"] == 6 == final_step(run)
+    assert min(scalars(run, "train/loss", 1)) == 3  # resumed from step 3
 
 
 def test_a_failed_run_leaves_the_others_to_train(tmp_path: Path, monkeypatch, capsys) -> None:
