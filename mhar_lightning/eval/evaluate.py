@@ -11,12 +11,14 @@ and other special tokens stand for none), so models with different tokenizers co
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -70,9 +72,36 @@ def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> Tensor:
                 continue
             lengths[i] = 0 if piece.decode("utf-8", "replace") in special else len(piece)
     else:
-        for i in range(tokenizer.vocab_size):
-            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+        lengths[: tokenizer.vocab_size] = torch.tensor(hf_token_bytes(tokenizer.tokenizer))
     lengths[tokenizer.eot_id] = 0
+    return lengths
+
+
+def hf_token_bytes(tokenizer: tokenizers.Tokenizer) -> list[int]:
+    """UTF-8 bytes of each id of a Hugging Face tokenizer (0 for special tokens and unused ids), exact for tokens
+    that are part of a character: a byte-level BPE token's characters each stand for one byte, a byte-fallback
+    `<0xNN>` token for one, and any other token for what it adds to the decoded text after an ordinary token (a
+    word-start marker counts as the space it decodes to)."""
+    spec = json.loads(tokenizer.to_str())
+    decoder = spec.get("decoder") or {}
+    byte_level = "ByteLevel" in {decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])}
+    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+    added = tokenizer.get_added_tokens_decoder()
+    anchor = tokenizer.encode("a", add_special_tokens=False).ids
+    anchor_bytes = len(tokenizer.decode(anchor, skip_special_tokens=False).encode())
+    lengths = []
+    for i in range(max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or (i in added and added[i].special):
+            lengths.append(0)
+        elif i in added:
+            lengths.append(len(added[i].content.encode()))
+        elif byte_level:
+            lengths.append(len(piece))
+        elif byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            lengths.append(1)
+        else:
+            lengths.append(len(tokenizer.decode([*anchor, i], skip_special_tokens=False).encode()) - anchor_bytes)
     return lengths
 
 
@@ -154,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
     args = parser.parse_args(argv)
     try:
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size {args.batch_size}: read at least one window per forward")
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a folder: pass a file path, e.g. {args.out / 'evaluate.json'}")
         loaded = load_from_args(args)
         targets = split_tokens(args.data, args.split, loaded.tokenizer)
         lengths = token_bytes(loaded.tokenizer, loaded.model.config.vocab_size)

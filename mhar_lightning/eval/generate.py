@@ -27,7 +27,6 @@ def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float |
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
-@torch.inference_mode()
 def generate(
     model: Decoder,
     prompt: Sequence[int],
@@ -41,14 +40,42 @@ def generate(
     use_cache: bool = True,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` token ids after `prompt` (fewer at `max_seq_len` or after `stop`, which is
-    yielded). With `use_cache` each step runs the decoder on one token; without, on the whole sequence."""
+    yielded). With `use_cache` each step runs the decoder on one token; without, on the whole sequence.
+
+    The prompt and options are checked here, before the first token, so a caller can refuse them before printing.
+    """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     limit = model.config.max_seq_len
     if len(prompt) >= limit:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model reads at most {limit}: shorten it")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be 0 or more, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be 1 or more (the likeliest tokens kept), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (the probability mass kept), got {top_p}")
+    return _decode(model, list(prompt), max_new_tokens, temperature, top_k, top_p, generator, stop, use_cache)
+
+
+@torch.inference_mode()
+def _decode(
+    model: Decoder,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+    stop: int | None,
+    use_cache: bool,
+) -> Iterator[int]:
+    """`generate`'s tokens, for checked arguments."""
+    limit = model.config.max_seq_len
     device = model.embed.weight.device
-    tokens = torch.tensor([list(prompt)], device=device)
+    tokens = torch.tensor([prompt], device=device)
     steps = min(max_new_tokens, limit - len(prompt))
     cache = KVCache(model.config, 1, len(prompt) + steps, device, model.embed.weight.dtype) if use_cache else None
     logits = model(tokens, cache)[:, -1]

@@ -34,7 +34,8 @@ class MharLM(TemplateLM):
 
     Log-likelihoods are scored in batches of `batch_size` right-padded rows (padding after a row cannot change its
     causal logits); contexts longer than the model are cut from the left. Generation decodes one request at a time
-    with the KV cache, greedy unless `do_sample` (then `temperature`, `top_k`, `top_p` and `seed`).
+    with the KV cache, greedy unless `do_sample` (then `temperature`, `top_k`, `top_p` and `seed`), from the context
+    that leaves room for `max_gen_toks` (at least its last token).
     """
 
     def __init__(
@@ -52,7 +53,10 @@ class MharLM(TemplateLM):
         loaded = load_model(checkpoint, tokenizer, device, dtype)
         self.model, self.tok = loaded.model, loaded.tokenizer
         self._device = loaded.device
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto" is not searched
+        auto = batch_size is None or str(batch_size).startswith("auto")  # "auto" and "auto:N" are read as 8, no search
+        self.batch_size = 8 if auto else int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size {batch_size}: score at least one request per forward, or pass auto")
         self.max_length = self.model.config.max_seq_len
         self.generator = torch.Generator(self._device).manual_seed(int(seed))
 
@@ -116,7 +120,8 @@ class MharLM(TemplateLM):
             max_new = int(options.pop("max_gen_toks", 256))
             sample = options.pop("do_sample", False)
             temperature = float(options.pop("temperature", 1.0 if sample else 0.0)) if sample else 0.0
-            prompt = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.eot_token_id]
+            keep = self.max_length - min(max_new, self.max_length - 1)  # at least one context token, as much as fits
+            prompt = self.tok_encode(context)[-keep:] or [self.eot_token_id]
             ids: list[int] = []
             text = ""
             for token in generate(
@@ -174,14 +179,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("lm_eval.json"), help="JSON results (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
+        tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+        if not tasks:
+            raise ValueError("--tasks names no task: pass comma-separated task names, e.g. --tasks hellaswag")
+        if args.include_path and not args.include_path.is_dir():
+            raise ValueError(f"--include-path {args.include_path} is not a folder: pass the folder of your task YAML")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size {args.batch_size}: score at least one request per forward")
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a folder: pass a file path, e.g. {args.out / 'lm_eval.json'}")
+        manager = TaskManager(include_path=[str(args.include_path)] if args.include_path else None)
+        unknown = [task for task in tasks if task not in manager.all_tasks]
+        if unknown:
+            raise ValueError(
+                f"unknown task {', '.join(unknown)}: see `lm-eval ls tasks`, or pass --include-path with its YAML"
+            )
         model = MharLM(str(args.checkpoint), args.tokenizer, args.device, args.dtype, args.batch_size)
-        include = [str(args.include_path)] if args.include_path else None
         results = simple_evaluate(
             model=model,
-            tasks=args.tasks.split(","),
+            tasks=tasks,
             num_fewshot=args.num_fewshot,
             limit=args.limit,
-            task_manager=TaskManager(include_path=include),
+            task_manager=manager,
             log_samples=False,
         )
     except (ValueError, FileNotFoundError) as error:

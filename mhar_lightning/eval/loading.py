@@ -42,7 +42,7 @@ def load_model(
     """The decoder of `checkpoint` on `device` (default: CUDA if present) in `dtype` (default: bfloat16 on CUDA,
     float32 on CPU), with `tokenizer` (default: the one recorded by the training run)."""
     path = Path(checkpoint)
-    device = device or default_device()
+    device = check_device(device or default_device())
     dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -51,6 +51,13 @@ def load_model(
         model, recorded = load_decoder(path), str(path) if ships_tokenizer(path) else None
     elif path.is_dir() and (path / META_FILE).is_file():
         raise ValueError(f"{path} is a sharded checkpoint: merge it first with `mhar consolidate {path} model.ckpt`")
+    elif path.is_dir():
+        hint = (
+            f": it looks like a Hugging Face model, so convert it first with `mhar convert-hf {path} OUT` and pass OUT"
+            if (path / "config.json").is_file()
+            else ": pass a .ckpt file, a consolidated checkpoint or a converted directory"
+        )
+        raise ValueError(f"{path} is a folder without {CONFIG_FILE}, so not a checkpoint{hint}")
     elif path.is_file():
         raw = read_checkpoint(path)  # a damaged file is one line naming the fix
         hparams = raw.get("hyper_parameters") or {}
@@ -71,6 +78,21 @@ def load_model(
         )
     model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
     return Loaded(model, tok, init_from)
+
+
+def check_device(device: str) -> str:
+    """`device` if this machine has it; else a one-line error naming the devices it does have."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"device {device!r} is not available: this machine has no CUDA GPU, use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device {device!r} is not available: this machine has cuda:0 to cuda:{count - 1}")
+    return device
 
 
 def run_decoder(path: Path, raw: dict) -> Decoder:

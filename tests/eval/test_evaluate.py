@@ -52,6 +52,113 @@ def test_token_bytes_of_tiktoken_and_bytes():
     assert token_bytes(ByteTokenizer(), 256).tolist() == [0] + [1] * 255
 
 
+TEXTS = [" ü", " Grüße, the 你好 🙂!", " the\n\tnaïve café"]
+
+
+def sentencepiece_style_tokenizer(out):
+    """A Llama 2 style `tokenizer.json`: word-start markers, byte fallback for what the vocabulary lacks, and a
+    decoder that strips the marker of the first word."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ["▁", "t", "h", "e", "▁t", "▁th", "▁the", "ü", "a"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e")]
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    strip_first_space = decoders.Strip(" ", 1, 0)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), strip_first_space]
+    )
+    tokenizer.add_special_tokens(["<unk>", "</s>"])
+    out.mkdir()
+    tokenizer.save(str(out / "tokenizer.json"))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "byte fallback"])
+def test_token_bytes_of_a_tokenizer_json_count_utf8_bytes_like_the_byte_tokenizer(kind, tmp_path):
+    """Tokens that are part of a character count their own bytes, so non-ASCII text has the bytes the byte
+    tokenizer gives it (bits per byte then compare across tokenizers); special tokens count none."""
+    from hf_helpers import EOS, corpus_lines, train_tokenizer
+
+    if kind == "byte-level BPE":
+        train_tokenizer(tmp_path / "hf", corpus_lines(50))
+        tokenizer = load_tokenizer(str(tmp_path / "hf"))
+    else:
+        tokenizer = load_tokenizer(str(sentencepiece_style_tokenizer(tmp_path / "hf")))
+    lengths = token_bytes(tokenizer, tokenizer.vocab_size + 3)
+    by_byte = token_bytes(ByteTokenizer(), 256)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids).strip() == text.strip()
+        assert any(len(tokenizer.decode([i]).encode()) != lengths[i] for i in ids)  # a piece of a character
+        assert int(lengths[ids].sum()) == int(by_byte[ByteTokenizer().encode(text)].sum()) == len(text.encode())
+    special = tokenizer.tokenizer.token_to_id(EOS if kind == "byte-level BPE" else "<unk>")
+    assert lengths[tokenizer.eot_id] == lengths[special] == 0 and lengths[tokenizer.vocab_size :].sum() == 0
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one line `mhar` prints on stderr when it refuses `argv`, having written nothing on stdout."""
+    with pytest.raises(SystemExit) as done:
+        mhar(argv)
+    out, err = capsys.readouterr()
+    assert done.value.code not in (0, None) and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_cli_refuses_bad_options_before_evaluating(run, tmp_path, capsys, monkeypatch):
+    checkpoint, data = run
+
+    def never(*args, **kwargs):
+        raise AssertionError("evaluated although an option was wrong")
+
+    monkeypatch.setattr("mhar_lightning.eval.evaluate.evaluate_tokens", never)
+    evaluate = ["evaluate", str(checkpoint), "--data", str(data), "--no-progress"]
+    for size in ("0", "-1"):
+        line = refused([*evaluate, "--batch-size", size], capsys)
+        assert line == f"mhar evaluate: error: --batch-size {size}: read at least one window per forward"
+    out = tmp_path
+    line = refused([*evaluate, "--out", str(out)], capsys)
+    assert line == f"mhar evaluate: error: --out {out} is a folder: pass a file path, e.g. {out / 'evaluate.json'}"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--max-new-tokens", "-5"], "max_new_tokens must be 0 or more, got -5"),
+        (["--top-k", "0"], "top_k must be 1 or more (the likeliest tokens kept), got 0"),
+        (["--top-k", "-3"], "top_k must be 1 or more (the likeliest tokens kept), got -3"),
+        (["--top-p", "0"], "top_p must be in (0, 1] (the probability mass kept), got 0.0"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1] (the probability mass kept), got 1.5"),
+        (["--temperature", "-1"], "temperature must be 0 (greedy) or more, got -1.0"),
+        (["--device", "cuda:99"], "device 'cuda:99' is not available: this machine has "),
+        (["--device", "gpu"], "unknown device 'gpu': use cpu, cuda or cuda:N"),
+        (["--prompt", "x" * 100], "the prompt has 100 tokens; the model reads at most 16: shorten it"),
+    ],
+)
+def test_cli_generate_refuses_bad_options_before_printing(run, capsys, options, message):
+    checkpoint, _ = run
+    line = refused(["generate", str(checkpoint), "--prompt", "ab", *options], capsys)
+    assert line.startswith(f"mhar generate: error: {message}")
+
+
+def test_a_folder_that_is_no_checkpoint_says_so(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    line = refused(["generate", str(tmp_path / "empty"), "--prompt", "x"], capsys)
+    assert line == (
+        f"mhar generate: error: {tmp_path / 'empty'} is a folder without mhar_config.json, so not a checkpoint: pass a "
+        ".ckpt file, a consolidated checkpoint or a converted directory"
+    )
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    hf = tmp_path / "hf"
+    line = refused(["evaluate", str(hf), "--data", str(tmp_path)], capsys)
+    assert line.endswith(f"a Hugging Face model, so convert it first with `mhar convert-hf {hf} OUT` and pass OUT")
+
+
 def test_cli_evaluate_writes_table_and_json(run, tmp_path, capsys):
     checkpoint, data = run
     out = tmp_path / "scores.json"
@@ -84,10 +191,8 @@ def test_cli_generate_streams_greedy_tokens(run, capsys):
 
 def test_cli_errors_are_one_line(run, tmp_path, capsys):
     checkpoint, data = run
-    with pytest.raises(SystemExit) as done:
-        mhar(["evaluate", str(tmp_path / "missing.ckpt"), "--data", str(data)])
-    assert done.value.code == 1
-    assert capsys.readouterr().err.startswith("mhar evaluate: error: checkpoint")
+    line = refused(["evaluate", str(tmp_path / "missing.ckpt"), "--data", str(data)], capsys)
+    assert line.startswith("mhar evaluate: error: checkpoint")
     with pytest.raises(SystemExit) as done:
         mhar(["evaluate", str(checkpoint), "--data", str(data), "--split", "test"])
     assert "has no 'test' split" in capsys.readouterr().err

@@ -44,6 +44,26 @@ def test_generation_stops_at_stop_token_and_max_seq_len():
         next(generate(model, list(range(64)), 5))
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_new_tokens": -5}, "max_new_tokens must be 0 or more, got -5"),
+        ({"temperature": -1.0}, r"temperature must be 0 \(greedy\) or more, got -1.0"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k must be 1 or more"),
+        ({"temperature": 1.0, "top_k": -3}, "top_k must be 1 or more"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"prompt": list(range(64))}, "the prompt has 64 tokens; the model reads at most 64"),
+    ],
+)
+def test_generate_refuses_bad_options_when_called(options, message):
+    """The call itself refuses them, before any token is asked for, so a command can refuse before printing."""
+    model = random_decoder("sum")
+    arguments = {"prompt": [1, 2, 3], "max_new_tokens": 5, **options}
+    with pytest.raises(ValueError, match=message):
+        generate(model, arguments.pop("prompt"), arguments.pop("max_new_tokens"), **arguments)
+
+
 def test_sampling_filters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     generator = torch.Generator().manual_seed(0)

@@ -15,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 from mhar_lightning.cli import main as mhar  # noqa: E402
 from mhar_lightning.data.shards import TokenStream  # noqa: E402
@@ -72,6 +73,26 @@ def test_generate_until_stops_at_the_first_stop_string(run):
     assert text == greedy.split(stop)[0]
 
 
+def test_generate_until_keeps_the_context_that_fits_beside_max_gen_toks(run):
+    """Like lm-eval's Hugging Face model, the context is cut from the left to leave `max_gen_toks` of room; when that
+    is the whole model or more (where lm-eval's model refuses), the last context token is kept and as many tokens are
+    generated as fit."""
+    checkpoint, _ = run
+    lm = MharLM(str(checkpoint), device="cpu")
+    length = lm.max_length
+    context = "The quick brown fox jumps over the lazy dog"
+    assert len(context.encode()) > length
+    expected = {}
+    for keep in (4, 1):  # greedy, a full forward per token, from the last `keep` context tokens
+        ids = list(context.encode())[-keep:]
+        while len(ids) < length:
+            ids.append(int(lm.model(torch.tensor([ids]))[0, -1].argmax()))
+        expected[keep] = lm.tok.decode(ids[keep:]).split("\x00")[0]
+    for max_gen_toks, keep in ((length - 4, 4), (length - 1, 1), (length, 1), (length + 24, 1), (256, 1)):
+        request_ = request("generate_until", context, {"until": ["never"], "max_gen_toks": max_gen_toks})
+        assert lm.generate_until([request_]) == [expected[keep]], max_gen_toks
+
+
 def test_simple_evaluate_runs_a_local_task_by_model_name(run, monkeypatch):
     checkpoint, _ = run
     monkeypatch.chdir(TASKS)  # the task's data_files path is relative
@@ -79,23 +100,46 @@ def test_simple_evaluate_runs_a_local_task_by_model_name(run, monkeypatch):
         model="mhar",
         model_args=f"checkpoint={checkpoint},device=cpu",
         tasks=["mhar_tiny_mc"],
-        task_manager=lm_eval.tasks.TaskManager(include_path=str(TASKS), include_defaults=False),
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
     )
     accuracy = results["results"]["mhar_tiny_mc"]["acc,none"]
     assert accuracy in (0.0, 1 / 3, 2 / 3, 1.0)
 
 
+class LocalTasks(TaskManager):
+    """lm-eval's task index without lm-eval's own 14,000 tasks, whose indexing takes most of a minute: the command
+    finds the local task as before."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "include_defaults": False})
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--tasks", "nosuch_task"], "unknown task nosuch_task: see `lm-eval ls tasks`, or pass --include-path"),
+        (["--tasks", "mhar_tiny_mc,nosuch_task"], "unknown task nosuch_task: "),
+        (["--tasks", ""], "--tasks names no task: pass comma-separated task names, e.g. --tasks hellaswag"),
+        (["--tasks", " , "], "--tasks names no task: "),
+        (["--tasks", "mhar_tiny_mc", "--include-path", "/nonexistent"], "--include-path /nonexistent is not a folder"),
+        (["--tasks", "mhar_tiny_mc", "--batch-size", "0"], "--batch-size 0: score at least one request per forward"),
+        (["--tasks", "mhar_tiny_mc", "--out", "."], "--out . is a folder: pass a file path, e.g. lm_eval.json"),
+    ],
+)
+def test_cli_lm_eval_refuses_bad_options_in_one_line(run, monkeypatch, capsys, options, message):
+    checkpoint, _ = run
+    monkeypatch.chdir(TASKS)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasks)
+    with pytest.raises(SystemExit) as done:
+        mhar(["lm-eval", str(checkpoint), "--include-path", str(TASKS), "--device", "cpu", *options])
+    out, err = capsys.readouterr()
+    assert done.value.code not in (0, None) and out == ""
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"mhar lm-eval: error: {message}")
+
+
 def test_cli_lm_eval_writes_table_and_json(run, tmp_path, monkeypatch, capsys):
     checkpoint, _ = run
     monkeypatch.chdir(TASKS)
-
-    class LocalTasks(lm_eval.tasks.TaskManager):
-        """lm-eval's task index without lm-eval's own 14,000 tasks, whose indexing takes most of a minute: the
-        command finds the local task as before."""
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **{**kwargs, "include_defaults": False})
-
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasks)
     out = tmp_path / "lm_eval.json"
     args = ["lm-eval", str(checkpoint), "--tasks", "mhar_tiny_mc", "--include-path", str(TASKS), "--out", str(out)]
