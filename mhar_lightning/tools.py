@@ -22,7 +22,7 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "export-hf": (
         "mhar_lightning.commands.convert",
         "export_main",
-        "Export a checkpoint of any strategy to a Hugging Face directory.",
+        "Export a checkpoint (any strategy but hyper-connections) to a Hugging Face directory.",
     ),
     "consolidate": (
         "mhar_lightning.commands.consolidate",

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import TensorStorageMetadata, load
 
+from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.dtypes import DTYPES
+from mhar_lightning.errors import CheckpointError
 from mhar_lightning.sharded_checkpoint import META_FILE, SafeFileSystemReader, check_sharded_checkpoint
 
 MODEL_KEY = "state_dict"
@@ -27,6 +29,7 @@ def consolidate(sharded_dir: str | Path, out: str | Path, dtype: torch.dtype | N
             f"{sharded_dir} is not a sharded checkpoint directory (no {META_FILE} and .metadata): pass a checkpoint"
             " written with ModelParallelStrategy(save_distributed_checkpoint=True)"
         )
+    check_out(out)
     metadata = check_sharded_checkpoint(sharded_dir)
     checkpoint = torch.load(sharded_dir / META_FILE, map_location="cpu", weights_only=True)
     reader = SafeFileSystemReader(sharded_dir)
@@ -40,9 +43,24 @@ def consolidate(sharded_dir: str | Path, out: str | Path, dtype: torch.dtype | N
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent
         load({MODEL_KEY: state}, storage_reader=reader, no_dist=True)
     checkpoint[MODEL_KEY] = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, out)
+    try:
+        AtomicCheckpointIO().save_checkpoint(checkpoint, out)  # a temporary file renamed into place: no partial OUT
+    except CheckpointError as error:
+        cause = str(error.__cause__ or error).splitlines()[0]
+        raise OSError(f"writing {out} failed ({cause}): free space or choose another OUT; no file was left") from error
     return out
+
+
+def check_out(out: Path) -> None:
+    """Refuse an `out` that exists (a directory, or a file that may be a finished checkpoint) before the slow read."""
+    if out.is_dir():
+        raise FileExistsError(f"{out} is a directory: name the file to write, e.g. {out / 'model.ckpt'}")
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: choose a new OUT or delete it first (it is never overwritten)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"cannot create the folder of {out} ({error.strerror}): choose another OUT") from error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.sharded_dir, args.out, DTYPES.get(args.dtype))
-    except FileNotFoundError as error:
+    except OSError as error:
         parser.error(str(error))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0

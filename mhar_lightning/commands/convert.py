@@ -3,11 +3,15 @@
 import argparse
 import logging
 import sys
+from collections import Counter
 from pathlib import Path
 
+import yaml
+
+from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, save_converted
 from mhar_lightning.convert.export import export_hf, export_training_checkpoint
-from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE
+from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE, ConversionError, parse_size
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.residual import RESIDUALS
@@ -15,9 +19,27 @@ from mhar_lightning.residual import RESIDUALS
 RESIDUAL_FLAGS = ("heads", "block_size", "blocks")
 
 
+def shard_size(text: str) -> int:
+    """An argparse type: a positive size in bytes, such as 5GB or 500MB."""
+    try:
+        return parse_size(text)
+    except ConversionError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def key_values(text: str) -> dict:
+    """An argparse type: `rate=2,dynamic=false` as `{"rate": 2, "dynamic": False}` (values read as YAML)."""
+    pairs = [item.partition("=") for item in filter(None, text.split(","))]
+    if not pairs or not all(key and eq for key, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"write {text!r} as KEY=VALUE pairs, e.g. rate=2,dynamic=false")
+    return {key.strip(): yaml.safe_load(value) for key, _, value in pairs}
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep the source dtype)")
-    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE, help="largest output shard, e.g. 5GB, 500MB")
+    parser.add_argument(
+        "--max-shard-size", type=shard_size, default=DEFAULT_SHARD_SIZE, help="largest output shard, e.g. 5GB, 500MB"
+    )
 
 
 def run(prog: str, action) -> int:
@@ -44,9 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, help="routing heads (mhar, delta-mhar)")
     parser.add_argument("--block-size", type=int, help="transformer blocks per routed block (delta-mhar)")
     parser.add_argument("--blocks", type=int, help="number of routed blocks (mhar, attnres)")
+    parser.add_argument(
+        "--residual-args",
+        type=key_values,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="any other arguments of the strategy, e.g. rate=2,dynamic=false (hyper-connections)",
+    )
     add_output_options(parser)
     args = parser.parse_args(argv)
     residual_args = {flag: getattr(args, flag) for flag in RESIDUAL_FLAGS if getattr(args, flag) is not None}
+    for key in residual_args.keys() & args.residual_args.keys():
+        parser.error(f"--residual-args sets {key}, and so does --{key.replace('_', '-')}: give it once")
+    residual_args |= args.residual_args
     dtype = DTYPES.get(args.dtype)
     return run(
         parser.prog,
@@ -56,8 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
+def stored_dtype(path: str | Path) -> str:
+    """The name of the dtype that holds most of the weights of checkpoint file `path` (float32 for a directory)."""
+    if not Path(path).is_file():
+        return "float32"
+    sizes = Counter()
+    for tensor in read_checkpoint(path)["state_dict"].values():
+        if tensor.is_floating_point():
+            sizes[tensor.dtype] += tensor.numel()
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    return names.get(max(sizes, key=sizes.get, default=None), "float32")
+
+
 def export_main(argv: list[str] | None = None) -> int:
-    """`mhar export-hf SRC OUT`: a checkpoint of any strategy to a Hugging Face directory, with its tokenizer."""
+    """`mhar export-hf SRC OUT`: a checkpoint of any strategy but hyper-connections to a Hugging Face directory, with its tokenizer."""
     parser = argparse.ArgumentParser(
         prog="mhar export-hf",
         description="Export a checkpoint (.ckpt, consolidated, or converted directory) to a Hugging Face directory: "
@@ -77,7 +121,7 @@ def export_main(argv: list[str] | None = None) -> int:
             tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
             export_hf(args.src, args.out, dtype=dtype, max_shard_size=args.max_shard_size, tokenizer=tokenizer)
             return
-        loaded = load_model(args.src, args.tokenizer, device="cpu", dtype="float32")
+        loaded = load_model(args.src, args.tokenizer, device="cpu", dtype=args.dtype or stored_dtype(args.src))
         export_training_checkpoint(
             loaded.model,
             loaded.init_from,

@@ -17,8 +17,16 @@ from mhar_lightning.callbacks.plots import depth_grid_figure
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.data.tokenizer import load_tokenizer
-from mhar_lightning.module import LanguageModel
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe
+from mhar_lightning.residual import residual_name
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,17 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=Path("depth_attention.png"), help="PNG of the maps (default: %(default)s)"
     )
     parser.add_argument("--text", type=Path, help="probe on this UTF-8 text file instead of the run's validation data")
-    parser.add_argument("--rows", type=int, default=8, help="probe sequences (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the run's)")
+    parser.add_argument("--rows", type=positive_int, default=8, help="probe sequences (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
     parser.add_argument("--tokenizer", help="tokenizer for --text or the default corpus (default: the run's)")
-    parser.add_argument("--npz", type=Path, help="also save the raw weights with their labels here")
-    return parser.parse_args(argv)
-
-
-def run_settings(checkpoint: Path) -> dict[str, Any]:
-    """The data module's hyperparameters saved in the checkpoint (tokenizer, seq_len, path), if any."""
-    raw = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    return dict(raw.get("datamodule_hyper_parameters") or {})
+    parser.add_argument("--npz", type=Path, help="also save the raw weights with their labels here (.npz)")
+    args = parser.parse_args(argv)
+    for flag, path, suffix in (("--out", args.out, ".png"), ("--npz", args.npz, ".npz")):
+        if path is not None and path.suffix.lower() != suffix:  # the writers would append it and print another name
+            example = path / f"depth_attention{suffix}" if path.is_dir() else path.with_suffix(suffix)
+            parser.error(f"{flag} {path} is not a {suffix} file: name one, e.g. {flag} {example}")
+    return args
 
 
 def text_tokens(path: Path, tokenizer_name: str, seq_len: int, rows: int) -> Tensor:
@@ -61,6 +68,8 @@ def corpus_tokens(settings: dict[str, Any], tokenizer_name: str, seq_len: int, r
     )
     data.prepare_data()
     data.setup("validate")
+    if data.val_dataset is None:
+        raise ValueError(f"{data.data_dir} has no validation split to probe: pass --text FILE (any UTF-8 text)")
     return next(iter(data.val_dataloader()))[:, :-1]
 
 
@@ -113,27 +122,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=max(120, Console().width))  # a row per site is worth more than fitting 80 columns
     err = Console(stderr=True)
-    read_checkpoint(args.checkpoint)  # a damaged file or a sharded directory is one line, not a traceback
-    model = LanguageModel.load_from_checkpoint(args.checkpoint, map_location="cpu")
+    from mhar_lightning.eval.loading import run_decoder  # here: the eval package imports lm-eval, where installed
+
+    raw = read_checkpoint(args.checkpoint)  # a damaged file or a sharded directory is one line, not a traceback
+    model = run_decoder(args.checkpoint, raw)  # the recorded shape: init_from may be gone and is not needed
     if not routers_of(model):
-        residual = model.hparams["residual"]["class_path"]
+        residual = residual_name(model.final_residual)
         message = f"{args.checkpoint}: residual {residual} has no depth routing to inspect."
         err.print(message, style="red", markup=False, soft_wrap=True)
         return 2
-    settings = run_settings(args.checkpoint)
+    settings = dict(raw.get("datamodule_hyper_parameters") or {})
     tokenizer = args.tokenizer or settings.get("tokenizer", "byte")
-    seq_len = args.seq_len or settings.get("seq_len") or model.model_config.max_seq_len
+    max_seq_len = model.config.max_seq_len
+    seq_len = args.seq_len or settings.get("seq_len") or max_seq_len
     source = str(args.text) if args.text else "validation data of " + (settings.get("path") or "the default corpus")
     try:
+        if seq_len > max_seq_len:
+            raise ValueError(
+                f"--seq-len {seq_len} exceeds the model's max_seq_len: pass --seq-len {max_seq_len} or less"
+            )
         tokens = (
             text_tokens(args.text, tokenizer, seq_len, args.rows)
             if args.text
             else corpus_tokens(settings, tokenizer, seq_len, args.rows)
         )
-        if int(tokens.max()) >= model.model_config.vocab_size:
+        if int(tokens.max()) >= model.config.vocab_size:
             raise ValueError(
-                f"tokenizer {tokenizer!r} yields ids beyond the model's"
-                f" {model.model_config.vocab_size}-token vocabulary"
+                f"tokenizer {tokenizer!r} yields ids beyond the model's {model.config.vocab_size}-token vocabulary"
             )
     except (OSError, ValueError) as error:
         err.print(f"mhar inspect: {error}", style="red", markup=False, soft_wrap=True)

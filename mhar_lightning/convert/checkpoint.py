@@ -41,8 +41,13 @@ def residual_template(residual: str | Residual, **residual_args) -> Residual:
     try:
         return make_residual(residual, **residual_args)
     except TypeError as error:
-        takes = ", ".join(init_args(RESIDUALS[residual])) or "no arguments"
-        raise ConversionError(f"residual {residual!r} takes {takes}, not {', '.join(residual_args)}") from error
+        takes = init_args(RESIDUALS[residual])
+        unknown = [arg for arg in residual_args if arg not in takes]
+        if not unknown:  # a known argument of the wrong type
+            raise ConversionError(f"residual {residual!r} cannot take {residual_args}: {error}") from error
+        raise ConversionError(
+            f"residual {residual!r} takes {', '.join(takes) or 'no arguments'}, not {', '.join(unknown)}"
+        ) from error
 
 
 def meta_decoder(config: ModelConfig, template: Residual) -> Decoder:
@@ -105,13 +110,14 @@ def save_converted(
     directory is all a run needs (`model.init_from` and `data.tokenizer`); `mhar_config.json` is written last, so
     a directory without it is an interrupted conversion.
     """
+    shard_bytes = parse_size(max_shard_size)
     source = HFLlamaCheckpoint(src_dir)
     template = residual_template(residual, **residual_args)
     model = meta_decoder(source.config, template)
     dtype = dtype or source.dtype
     entries = source.entries(model, dtype) + routing_entries(model, dtype)
     out = fresh_dir(out_dir)
-    write_sharded(out, entries, parse_size(max_shard_size))
+    write_sharded(out, entries, shard_bytes)
     copy_tokenizer_files(src_dir, out)
     meta = {
         "format_version": FORMAT_VERSION,

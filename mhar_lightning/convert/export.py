@@ -42,6 +42,7 @@ def export_hf(
     `tokenizer` adds its own files where there are none (see `hf_tokenizer`). An in-memory `Decoder` must hold full
     (not FSDP-sharded) parameters. `dtype` defaults to the weights'.
     """
+    max_shard_size = parse_size(max_shard_size)  # a bad size fails before the output directory exists
     if isinstance(model_or_dir, Decoder):
         config, tokens, template = model_or_dir.config, {}, model_or_dir.final_residual
         tensors = dict(model_or_dir.named_parameters())
@@ -59,7 +60,7 @@ def export_hf(
             TensorEntry(hf, tuple(tensors[ours].shape), dtype or tensors[ours].dtype, tensors[ours].detach)
             for ours, hf in hf_names(config).items()
         ]
-        write_sharded(out, entries, parse_size(max_shard_size))
+        write_sharded(out, entries, max_shard_size)
         hf_config = model_config_to_hf_config(config, entries[0].dtype, tokens)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     else:

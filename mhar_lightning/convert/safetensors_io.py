@@ -86,13 +86,18 @@ class SafetensorsDir:
 
 
 def parse_size(size: str | int) -> int:
-    """Bytes in `size`: an int or a string such as `5GB`, `500MB`, `2GiB`."""
+    """Bytes in `size`: a positive int or a string such as `5GB`, `500MB`, `2GiB`."""
+    example = "write e.g. 5GB, 500MB, 2GiB or a number of bytes"
     if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Z]*)", size.strip().upper())
-    if not match or match[2] not in SIZE_UNITS:
-        raise ConversionError(f"cannot read size {size!r}; write e.g. 5GB, 500MB, 2GiB or a number of bytes")
-    return int(float(match[1]) * SIZE_UNITS[match[2]])
+        value = size
+    else:
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Z]*)", size.strip().upper())
+        if not match or match[2] not in SIZE_UNITS:
+            raise ConversionError(f"cannot read size {size!r}; {example}")
+        value = int(float(match[1]) * SIZE_UNITS[match[2]])
+    if value < 1:
+        raise ConversionError(f"size {size!r} is not a positive number of bytes; {example}")
+    return value
 
 
 def write_sharded(out_dir: Path, entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[str]:

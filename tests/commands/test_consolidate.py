@@ -7,31 +7,28 @@ import pytest
 import torch
 from fsdp_helpers import MHAR, converted_init, run_ranks, tiny_corpus
 
+from mhar_lightning.commands import consolidate as consolidate_module
 from mhar_lightning.commands.consolidate import main
 from mhar_lightning.module import LanguageModel
 
 
-def test_consolidated_weights_equal_gathered_shards(tmp_path: Path) -> None:
-    _, init = converted_init(tmp_path, MHAR, tie=True)
-    out = tmp_path / "run"
-    args = [
-        "--out",
-        str(out),
-        "--data",
-        str(tiny_corpus(tmp_path)),
-        "--init",
-        str(init),
-        "--residual",
-        json.dumps(MHAR),
-    ]
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step FSDP2 run on 2 CPU ranks: its sharded `ckpt/last.ckpt` and the all-gathered weights (`gathered.pt`)."""
+    root = tmp_path_factory.mktemp("sharded")
+    _, init = converted_init(root, MHAR, tie=True)
+    out = root / "run"
+    args = ["--out", str(out), "--data", str(tiny_corpus(root)), "--init", str(init), "--residual", json.dumps(MHAR)]
     result = run_ranks(*args, "--fsdp", "--devices", "2", "--steps", "4", "--ckpt-every", "4")
     assert result.returncode == 0, result.stdout[-3000:]
-    sharded = out / "ckpt" / "last.ckpt"
-    assert len(list(sharded.glob("*.distcp"))) == 2  # one shard file per rank
+    assert len(list((out / "ckpt" / "last.ckpt").glob("*.distcp"))) == 2  # one shard file per rank
+    return out
 
-    assert main([str(sharded), str(tmp_path / "model.ckpt")]) == 0
+
+def test_consolidated_weights_equal_gathered_shards(tmp_path: Path, sharded_run: Path) -> None:
+    assert main([str(sharded_run / "ckpt" / "last.ckpt"), str(tmp_path / "model.ckpt")]) == 0
     consolidated = torch.load(tmp_path / "model.ckpt", map_location="cpu", weights_only=True)
-    gathered = torch.load(out / "gathered.pt", map_location="cpu", weights_only=True)  # all-gathered by the run
+    gathered = torch.load(sharded_run / "gathered.pt", map_location="cpu", weights_only=True)  # all-gathered by the run
     assert consolidated["global_step"] == 4
     assert sorted(consolidated["state_dict"]) == sorted(gathered)
     for name, weight in gathered.items():
@@ -48,3 +45,42 @@ def test_consolidate_names_the_fix_for_a_wrong_path(tmp_path: Path, capsys: pyte
         main([str(tmp_path), str(tmp_path / "out.ckpt")])
     assert exit_info.value.code == 2
     assert "not a sharded checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "existing, message",
+    [
+        ("folder", "{out} is a directory: name the file to write, e.g. {out}/model.ckpt"),
+        ("file", "{out} already exists: choose a new OUT or delete it first (it is never overwritten)"),
+    ],
+)
+def test_consolidate_refuses_an_existing_out_before_reading_the_shards(
+    tmp_path: Path, sharded_run: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, existing, message
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir() if existing == "folder" else out.write_bytes(b"a finished checkpoint")
+    monkeypatch.setattr(consolidate_module, "load", lambda *args, **kwargs: pytest.fail("read the shards"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(sharded_run / "ckpt" / "last.ckpt"), str(out)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "mhar consolidate: error: " + message.format(out=out)
+    assert out.is_dir() if existing == "folder" else out.read_bytes() == b"a finished checkpoint"
+
+
+def test_a_failed_write_leaves_no_out_file(
+    tmp_path: Path, sharded_run: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def short_write(obj, f) -> None:  # what a full disk does: part of the archive, then an error
+        with open(f, "wb") if isinstance(f, (str, Path)) else f as file:
+            file.write(b"PK\x03\x04 part of an archive")
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(sharded_run / "ckpt" / "last.ckpt"), str(tmp_path / "model.ckpt")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"mhar consolidate: error: writing {tmp_path / 'model.ckpt'} failed (PytorchStreamWriter failed writing file "
+        "data/0: file write failed): free space or choose another OUT; no file was left"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -151,6 +151,41 @@ def test_refuses_bad_arguments(hf_dir, tmp_path, capsys):
         save_converted(path, tmp_path / "busy", "sum")
 
 
+def test_cli_passes_any_strategy_argument(hf_dir, tmp_path, capsys):
+    path, reference = hf_dir
+
+    def convert(out: str, *flags: str) -> int:
+        return main([str(path), str(tmp_path / out), "--residual", "hyper-connections", *flags])
+
+    assert convert("hc", "--residual-args", "rate=2,dynamic=false") == 0
+    meta = json.loads((tmp_path / "hc" / "mhar_config.json").read_text())
+    assert meta["residual"]["init_args"] == {"rate": 2, "dynamic": False}
+    torch.testing.assert_close(our_logits(load_decoder(tmp_path / "hc")), reference, rtol=1e-5, atol=1e-5)
+    for flags, message in [
+        (["--residual-args", "rate"], "argument --residual-args: write 'rate' as KEY=VALUE pairs, e.g. rate=2"),
+        (["--heads", "2", "--residual-args", "heads=4"], "--residual-args sets heads, and so does --heads: give it"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            convert("other", *flags)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert convert("other", "--residual-args", "rate=a") == 1
+    assert "residual 'hyper-connections' cannot take {'rate': 'a'}" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("size", ["0", "0.4", "0GB"])
+def test_a_shard_size_that_is_not_positive_is_refused(hf_dir, tmp_path, capsys, size):
+    path, _ = hf_dir
+    for command in (main, export_main):
+        with pytest.raises(SystemExit) as exit_info:
+            command([str(path), str(tmp_path / "out"), "--max-shard-size", size])
+        assert exit_info.value.code == 2
+        assert f"argument --max-shard-size: size '{size}' is not a positive number of bytes" in capsys.readouterr().err
+    with pytest.raises(ConversionError, match="is not a positive number of bytes"):
+        export_hf(load_hf_llama(path, "sum"), tmp_path / "out", max_shard_size=0)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_and_unexpected_tensors_are_listed(tmp_path):
     model = random_llama()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -4,9 +4,11 @@ greedy tokens; `sum` stays a LlamaForCausalLM; the tokenizer travels with the ex
 import json
 import os
 
+import lightning
 import pytest
 import torch
-from eval_helpers import STRATEGIES, random_decoder, trained_checkpoint
+from eval_helpers import CONFIG, STRATEGIES, random_decoder, trained_checkpoint
+from safetensors import safe_open
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
@@ -83,6 +85,37 @@ def test_cli_exports_a_trained_checkpoint(tmp_path):
         97,
         98,
     ]
+
+
+@pytest.mark.parametrize(
+    "strategy, dtype", [("sum", torch.bfloat16), ("mhar-block", torch.bfloat16), ("sum", torch.float32)]
+)
+def test_cli_export_keeps_the_checkpoint_dtype(strategy, dtype, tmp_path):
+    """A checkpoint stored in bf16 (as `mhar consolidate --dtype bfloat16` writes one) exports as bf16, fp32 as fp32."""
+    model = random_decoder(strategy)
+    checkpoint = tmp_path / "model.ckpt"
+    torch.save(
+        {
+            "state_dict": {f"decoder.{name}": t.to(dtype) for name, t in model.state_dict().items()},
+            "hyper_parameters": {"model_config": CONFIG.to_dict(), "residual": model.final_residual.spec()},
+            "datamodule_hyper_parameters": {"tokenizer": "byte"},
+            "pytorch-lightning_version": lightning.__version__,
+        },
+        checkpoint,
+    )
+    with pytest.raises(SystemExit) as done:
+        mhar(["export-hf", str(checkpoint), str(tmp_path / "hf")])
+    assert done.value.code == 0
+    name = str(dtype).removeprefix("torch.")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == name
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as stored:
+        dtypes = {stored.get_slice(key).get_dtype() for key in stored.keys()}  # noqa: SIM118 (a handle, not a dict)
+    assert dtypes == {"BF16" if name == "bfloat16" else "F32"}
+    assert {p.dtype for p in load_export(tmp_path / "hf").parameters()} == {dtype}
+    model.load_state_dict({name: t.to(dtype) for name, t in model.state_dict().items()})  # the stored values, in fp32
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(TOKENS).logits, model(TOKENS), rtol=1e-5, atol=1e-5)
 
 
 def test_unexportable_strategies_and_shapes_are_refused():
