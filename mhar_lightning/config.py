@@ -1,7 +1,7 @@
 """Model shape: a typed config with named size presets and analytic size helpers."""
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 VOCAB_MULTIPLE = 64
 
@@ -70,6 +70,7 @@ class ModelConfig:
         """A named size (`tiny`, `100m`, `350m`, `1b`, `llama3-8b`) with optional field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        check_fields(overrides)
         return replace(PRESETS[name], **overrides)
 
     @property
@@ -112,6 +113,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_fields(overrides: Mapping[str, object], source: str = "ModelConfig") -> None:
+    """Refuse keys that are not `ModelConfig` fields, naming the valid ones (a typo is otherwise a TypeError)."""
+    valid = [field.name for field in fields(ModelConfig)]
+    unknown = [key for key in overrides if key not in valid]
+    if unknown:
+        raise ValueError(f"{source} has no field {', '.join(map(repr, unknown))}; valid fields: {', '.join(valid)}")
 
 
 PRESETS: dict[str, ModelConfig] = {

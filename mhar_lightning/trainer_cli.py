@@ -1,27 +1,31 @@
 """`MharCLI`: the `mhar` subcommands that run the Trainer (fit, validate, test), built on `LightningCLI`, with the
 kit's recipes, checks and defaults."""
 
+import difflib
 import importlib
 import inspect
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
+import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
 from mhar_lightning.checkpoint_config import runtime_overrides
 from mhar_lightning.checkpoint_file import read_checkpoint
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
-from mhar_lightning.config import VOCAB_MULTIPLE, padded_vocab
+from mhar_lightning.config import VOCAB_MULTIPLE, check_fields, padded_vocab
 from mhar_lightning.convert import check_data_tokenizer
 from mhar_lightning.data import ShardIndex, TokenDataModule
 from mhar_lightning.data.shards import INDEX_FILE
@@ -32,6 +36,26 @@ from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_shard
 from mhar_lightning.tools import TOOLS
 
 BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
+UNKNOWN_OPTION = re.compile(r"^unrecognized arguments: (\S+)|does not accept option '([^']+)'")
+
+
+class MharArgumentParser(LightningArgumentParser):
+    """Lightning's parser, with a one-line error instead of a usage dump; an unknown option names the closest one."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if self.exit_on_error and "\n" not in message.strip():  # inner parsers raise, and catch, their own errors
+            raise ConfigError(message + closest_option(getattr(ex, "subcommand_parser", None) or self, message))
+        super().error(message, ex)
+
+
+def closest_option(parser: ArgumentParser, message: str) -> str:
+    """`; did you mean --key?` when `message` rejects an option (a flag or a config key) close to one of `parser`'s."""
+    match = UNKNOWN_OPTION.search(message)
+    if match is None:
+        return ""
+    given = "--" + (match.group(1) or match.group(2)).removeprefix("--").partition("=")[0]
+    close = difflib.get_close_matches(given, parser._option_string_actions, 1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 class MharCLI(LightningCLI):
@@ -51,6 +75,7 @@ class MharCLI(LightningCLI):
                 "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             },
             seed_everything_default=0,
+            parser_class=MharArgumentParser,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             args=args,
@@ -140,7 +165,7 @@ class MharCLI(LightningCLI):
             super().instantiate_classes()
         except ConfigError:
             raise
-        except ValueError as error:
+        except (ValueError, MisconfigurationException) as error:
             raise ConfigError(one_line(str(error))) from error
 
     def after_instantiate_classes(self) -> None:
@@ -167,7 +192,7 @@ class MharCLI(LightningCLI):
                 " schedule is defined over optimizer steps"
             )
         if self.subcommand is not None:  # a run, not a config being inspected (run=False)
-            self.datamodule.check()
+            self.datamodule.check(self.trainer.world_size, validate=self.trainer.limit_val_batches > 0)
         if is_sharded_checkpoint(ckpt_path):
             check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
         check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
@@ -209,13 +234,18 @@ class MharCLI(LightningCLI):
 
 
 def check_linked_fields(config) -> None:
-    """Refuse model fields that the data sets (checked on the user's config, before a checkpoint's are merged)."""
+    """Refuse model fields that the data sets, and unknown ones (checked on the user's config, before a checkpoint's
+    are merged)."""
     if config.model.get("vocab_size") is not None:
         raise ConfigError(linked_field_error("vocab_size", config.model.vocab_size))
     overrides = config.model.get("model_overrides") or {}
     for field in ("vocab_size", "max_seq_len"):
         if field in overrides:
             raise ConfigError(linked_field_error(f"model_overrides.{field}", overrides[field]))
+    try:
+        check_fields(overrides, "model.model_overrides")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def failed_class_path_import(error: BaseException) -> bool:
@@ -308,19 +338,43 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
 
 
 def check_class_paths(args: list[str]) -> None:
-    """Refuse a `--<key>.class_path` flag naming a class that cannot be imported (jsonargparse crashes on it)."""
+    """Refuse a class that cannot be imported, named by a `--<key>.class_path` flag or by a `class_path` in a flag's
+    JSON or YAML value (jsonargparse crashes on both)."""
     for flag, value in zip(args, [*args[1:], ""]):
         flag, eq, inline = flag.partition("=")
         value = inline if eq else value
-        if not flag.endswith(".class_path") or "." not in value:
+        if flag.endswith(".class_path"):
+            named = [(f"{flag} {value}", value)]
+        elif flag.startswith("--") and value.lstrip().startswith(("{", "[")):
+            try:
+                named = [(f"{flag} class_path {path}", path) for path in class_paths(yaml.safe_load(value))]
+            except yaml.YAMLError:
+                continue  # not valid JSON or YAML: jsonargparse reports the flag
+        else:
             continue
-        module, _, name = value.rpartition(".")
-        try:
-            found = hasattr(importlib.import_module(module), name)
-        except ImportError:
-            found = False
-        if not found:
-            raise ConfigError(f"{flag} {value}: no class {name} in an importable module {module}; check the spelling")
+        for given, path in named:
+            module, _, name = path.rpartition(".")
+            if module and not importable(module, name):
+                raise ConfigError(f"{given}: no class {name} in an importable module {module}; check the spelling")
+
+
+def class_paths(value: object) -> Iterator[str]:
+    """Every `class_path` string in a parsed JSON or YAML value, however deeply nested."""
+    if isinstance(value, dict):
+        if isinstance(value.get("class_path"), str):
+            yield value["class_path"]
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            yield from class_paths(item)
+
+
+def importable(module: str, name: str) -> bool:
+    """Whether `module` imports and has an attribute `name`."""
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
 
 
 def one_line(message: str) -> str:

@@ -29,6 +29,8 @@ def test_preset_overrides_and_errors():
         ModelConfig(n_kv_heads=3)
     with pytest.raises(ValueError, match="n_heads=5 must divide d_model=64"):
         ModelConfig(n_heads=5)
+    with pytest.raises(ValueError, match="ModelConfig has no field 'n_layer'; valid fields: vocab_size, d_model, "):
+        ModelConfig.preset("tiny", n_layer=6)
 
 
 def test_llama_variant_fields_round_trip_and_count_their_parameters():

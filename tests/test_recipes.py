@@ -110,6 +110,7 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
         "link",
     )
     assert trainer.max_steps > 0
+    assert trainer.check_val_every_n_epoch is None  # validation every val_check_interval steps, across epochs
     assert model.model_config.max_seq_len == data.seq_len
     assert model.model_config.vocab_size >= data.vocab_size
     if model.init_from is None:

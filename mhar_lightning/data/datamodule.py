@@ -82,8 +82,10 @@ class TokenDataModule(L.LightningDataModule):
         """Prepare the default corpus once per node and check the folder's tokenizer early."""
         ShardIndex.load(self.data_dir).check_tokenizer(self.tokenizer, self.data_dir)
 
-    def check(self) -> None:
-        """Refuse a missing or mismatched folder, or splits shorter than a window, from ``index.json`` alone."""
+    def check(self, world_size: int, validate: bool) -> None:
+        """Refuse, from ``index.json`` alone, a missing or mismatched folder, splits shorter than a window, an epoch
+        shorter than one batch on each of ``world_size`` ranks (it would train nothing), and no validation split when
+        ``validate``."""
         directory = Path(self.path) if self.path is not None else corpus_dir(self.tokenizer)
         if self.path is None and not (directory / INDEX_FILE).is_file():
             return  # the default corpus, prepared on first use
@@ -96,6 +98,20 @@ class TokenDataModule(L.LightningDataModule):
                     f"the {split!r} split of {directory} has {tokens} tokens, fewer than seq_len + 1 ="
                     f" {self.seq_len + 1}: lower --data.seq_len or prepare more data"
                 )
+        windows = self.samples_per_epoch  # as TokenWindowDataset counts them
+        windows = index.num_tokens("train") // self.seq_len if windows is None else windows
+        if windows < self.batch_size * world_size:
+            ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+            raise ShardError(
+                f"an epoch of {directory} has {windows} training windows of seq_len + 1 tokens, fewer than one batch"
+                f" of data.batch_size={self.batch_size}{ranks}: lower --data.batch_size or --data.seq_len, raise"
+                " --data.samples_per_epoch, or prepare more data"
+            )
+        if validate and not index.splits.get("val"):
+            raise ShardError(
+                f"{directory} has no validation split: prepare it with --val-fraction > 0, or turn validation off"
+                " with --trainer.limit_val_batches 0"
+            )
 
     def setup(self, stage: str | None = None) -> None:
         """Open and verify the shards; build the training and validation datasets."""

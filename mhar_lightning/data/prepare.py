@@ -57,10 +57,7 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise ValueError(f"{path}:{number} has no {text_field!r} field: pass --text-field NAME")
-                    yield record[text_field]
+                    yield jsonl_text(line, text_field, f"{path}:{number}")
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -73,6 +70,19 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
             yield from (text for text in batch.column(0).to_pylist() if text is not None)
     else:
         raise ValueError(f"unsupported file {path}: use one of {', '.join(sorted(SUFFIXES))}")
+
+
+def jsonl_text(line: str, text_field: str, where: str) -> str | None:
+    """The text of one JSONL line, which must be a JSON object whose ``text_field`` is a string (or null: skipped)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        record = None
+    if isinstance(record, dict) and text_field not in record:
+        raise ValueError(f"{where} has no {text_field!r} field: pass --text-field NAME")
+    if not isinstance(record, dict) or not isinstance(record[text_field], str | None):
+        raise ValueError(f"{where} is not a JSON object with a string {text_field!r} field: fix or remove that line")
+    return record[text_field]
 
 
 def is_validation(text: str, val_fraction: float) -> bool:

@@ -92,6 +92,16 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"]  # no partial folders left behind
 
 
+@pytest.mark.parametrize("line", ['"a string"', "7", '{"text": 5}', "not json", "[1]"])
+def test_a_jsonl_line_without_string_text_is_named_by_file_and_line(tmp_path: Path, capsys, line: str) -> None:
+    src = tmp_path / "docs.jsonl"
+    src.write_text(f'{{"text": "fine"}}\n\n{line}\n{{"text": "also fine"}}\n')
+    assert main([str(src), str(tmp_path / "out"), "--tokenizer", "byte", "--no-progress"]) == 1
+    assert capsys.readouterr().err == (
+        f"mhar prepare: error: {src}:3 is not a JSON object with a string 'text' field: fix or remove that line\n"
+    )
+
+
 def test_default_corpus_is_cached_and_safe_to_prepare_concurrently() -> None:
     files = corpus.stdlib_files()
     assert files == sorted(files) and any(p.name == "textwrap.py" for p in files)
