@@ -18,6 +18,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is a sharded checkpoint directory: merge it into one file with `mhar consolidate {path} OUT.ckpt`"
         )
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder, not a checkpoint: pass a .ckpt file written by `mhar fit`")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist: pass a .ckpt file written by `mhar fit`")
     damaged = f"checkpoint {path} is damaged or not a checkpoint ({{}}): use an intact one, e.g. an earlier save"

@@ -137,9 +137,7 @@ class LanguageModel(L.LightningModule):
             self.residual = make_residual("sum" if residual is None else residual)
         with torch.device("meta"):  # a strategy that does not fit the model fails here, not mid-fit
             self.residual.spawn(self.model_config, range(2))
-        self.optimizer_config = (
-            OptimizerConfig(**optimizer) if isinstance(optimizer, dict) else optimizer or OptimizerConfig()
-        )
+        self.optimizer_config = OptimizerConfig.of(optimizer)
         self.grad_clip = grad_clip
         self.nonfinite = NonFiniteGuard(skip_nonfinite)
         self.loss_chunk_tokens = loss_chunk_tokens

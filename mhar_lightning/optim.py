@@ -1,8 +1,10 @@
 """AdamW parameter groups and learning-rate schedules for language-model training."""
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +55,17 @@ class OptimizerConfig:
                     " weight_decay, routing_lr_mult and warmup_steps >= 0, min_lr_ratio in [0, 1],"
                     " decay_fraction in (0, 1]"
                 )
+
+    @classmethod
+    def of(cls, values: "OptimizerConfig | Mapping[str, Any] | None") -> "OptimizerConfig":
+        """A config from itself, a mapping of its fields (an unknown key is refused by name) or None (defaults)."""
+        if values is None or isinstance(values, cls):
+            return values or cls()
+        valid = [f.name for f in fields(cls)]
+        unknown = [key for key in values if key not in valid]
+        if unknown:
+            raise ValueError(f"model.optimizer has no field {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+        return cls(**values)
 
 
 def parameter_groups(model: nn.Module, config: OptimizerConfig) -> list[dict]:

@@ -32,10 +32,10 @@ from mhar_lightning.data.shards import INDEX_FILE
 from mhar_lightning.errors import ConfigError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
+from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
 
-BASE_DIRECTIVE = re.compile(r"^#\s*base:\s*(\S+)\s*$")
 UNKNOWN_OPTION = re.compile(r"^unrecognized arguments: (\S+)|does not accept option '([^']+)'")
 
 
@@ -270,22 +270,6 @@ def linked_field_error(field: str, value: object = None) -> str:
     )
 
 
-def recipe_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[Path]:
-    """`path` preceded by its bases: a recipe names its base in a leading comment `# base: <relative path>`."""
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"recipe {path} inherits from itself: fix the '# base:' line")
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        if match := BASE_DIRECTIVE.match(line):
-            base = path.parent / match.group(1)
-            if not base.is_file():
-                raise ConfigError(f"{path} names base {match.group(1)}, which does not exist: fix its '# base:' line")
-            return [*recipe_chain(base, (*seen, path)), path]
-    return [path]
-
-
 def with_recipe_bases(args: list[str]) -> list[str]:
     """Expand every `--config recipe.yaml` into `--config base.yaml ... --config recipe.yaml`.
 
@@ -314,6 +298,8 @@ def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
         return str(candidates[-1]) if candidates else None
     if ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
         raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
+    if ckpt_path is not None and Path(ckpt_path).is_dir() and not is_sharded_checkpoint(ckpt_path):
+        raise ConfigError(f"{ckpt_path} is a folder, not a checkpoint: pass a .ckpt file, or --ckpt_path last")
     return ckpt_path
 
 

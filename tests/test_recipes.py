@@ -9,11 +9,12 @@ import torch
 import yaml
 from cli_helpers import REPO, stand_in_converted
 from lightning.pytorch.callbacks import LearningRateMonitor
-from mhar_lightning.callbacks import FinalStepCheckpoint
 
+from mhar_lightning.callbacks import FinalStepCheckpoint
 from mhar_lightning.data import datamodule
+from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import MHAR, AttnRes, HyperConnections, Residual, SumResidual
-from mhar_lightning.trainer_cli import MharCLI, recipe_chain
+from mhar_lightning.trainer_cli import MharCLI
 
 RECIPES = REPO / "recipes"
 RUNNABLE = sorted(p for p in RECIPES.rglob("*.yaml") if p.name != "base.yaml" and not p.name.startswith("_"))

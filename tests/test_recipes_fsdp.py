@@ -10,8 +10,8 @@ from cli_helpers import stand_in_converted
 from mhar_lightning.memory_plan import memory_plan
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import routing_parameter_count, unsharded_parameter_count
+from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import MHAR, DeltaMHAR
-from mhar_lightning.trainer_cli import recipe_chain
 
 RECIPES = Path(__file__).parents[1] / "recipes" / "fsdp"
 LLAMA3_8B_PARAMS = 8_030_261_248  # Meta-Llama-3-8B, untied embedding and head

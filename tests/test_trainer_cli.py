@@ -76,7 +76,8 @@ def test_a_typo_in_a_config_key_is_one_line_naming_the_closest_key(tmp_path: Pat
     (tmp_path / "typo.yaml").write_text("trainer:\n  max_step: 3\n")
     code, _, err = run([*fast_demo_args(tmp_path, 1), "--config", str(tmp_path / "typo.yaml")], capsys)
     assert (code, err.strip()) == (
-        2, "mhar: error: Subcommand 'fit' does not accept option 'trainer.max_step'; did you mean --trainer.max_steps?"
+        2,
+        "mhar: error: Subcommand 'fit' does not accept option 'trainer.max_step'; did you mean --trainer.max_steps?",
     )
 
 

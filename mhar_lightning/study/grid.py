@@ -15,8 +15,8 @@ from typing import IO, Any
 
 import yaml
 
+from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import RESIDUALS
-from mhar_lightning.trainer_cli import recipe_chain
 
 RESULT_FILE = "result.json"
 ARGS_FILE = "args.json"

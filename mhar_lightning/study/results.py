@@ -121,7 +121,9 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: in
     steps = max([*scalars[TRAIN_LOSS], *scalars[VAL_LOSS]], default=0)
     max_steps = config["trainer"]["max_steps"]
     if steps < max_steps:  # stopped early (a signal, a callback): its last checkpoint resumes it
-        raise ValueError(f"{run_dir} stopped at step {steps} of trainer.max_steps={max_steps}: the next call resumes it")
+        raise ValueError(
+            f"{run_dir} stopped at step {steps} of trainer.max_steps={max_steps}: the next call resumes it"
+        )
     if not scalars[VAL_LOSS]:
         raise ValueError(f"{run_dir} logged no {VAL_LOSS}: set trainer.val_check_interval to divide trainer.max_steps")
     # hparams.yaml has the linked vocabulary, config.yaml the residual strategy
