@@ -324,7 +324,7 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
             unfinished = {run.dir for run in runs if not run.finished}
         results, order = collect_all(args.out, args.report_only is not None, unfinished)  # earlier calls' runs too
     except (ValueError, RuntimeError) as error:
-        console.print(f"mhar compare: error: {error}", markup=False, highlight=False)
+        console.print(f"mhar compare: error: {error}", markup=False, highlight=False, soft_wrap=True)
         return MharError.exit_code
     if not results:
         console.print(f"no finished runs in {args.out}/runs yet" + (f"; {len(failed)} failed" if failed else ""))
@@ -337,7 +337,8 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     console.print(report.console_table(summaries, baseline, title))
     console.print(f"report: {path}")
     if failed:
-        console.print(f"mhar compare: error: {len(failed)} runs failed ({', '.join(failed)}); their logs say why")
+        failures = f"{len(failed)} runs failed ({', '.join(failed)})"
+        console.print(f"mhar compare: error: {failures}; their logs say why", markup=False, soft_wrap=True)
         return MharError.exit_code
     return 0
 
