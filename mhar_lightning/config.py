@@ -115,9 +115,10 @@ class ModelConfig:
         return asdict(self)
 
 
-def check_fields(overrides: Mapping[str, object], source: str = "ModelConfig") -> None:
-    """Refuse keys that are not `ModelConfig` fields, naming the valid ones (a typo is otherwise a TypeError)."""
-    valid = [field.name for field in fields(ModelConfig)]
+def check_fields(overrides: Mapping[str, object], source: str = "ModelConfig", config: type | None = None) -> None:
+    """Refuse keys that are not fields of the dataclass `config` (default `ModelConfig`), naming the valid ones (a
+    typo is otherwise a TypeError)."""
+    valid = [field.name for field in fields(config or ModelConfig)]
     unknown = [key for key in overrides if key not in valid]
     if unknown:
         raise ValueError(f"{source} has no field {', '.join(map(repr, unknown))}; valid fields: {', '.join(valid)}")

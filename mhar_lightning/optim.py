@@ -2,13 +2,14 @@
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import nn
 
+from mhar_lightning.config import check_fields
 from mhar_lightning.residual import Residual
 
 
@@ -61,10 +62,7 @@ class OptimizerConfig:
         """A config from itself, a mapping of its fields (an unknown key is refused by name) or None (defaults)."""
         if values is None or isinstance(values, cls):
             return values or cls()
-        valid = [f.name for f in fields(cls)]
-        unknown = [key for key in values if key not in valid]
-        if unknown:
-            raise ValueError(f"model.optimizer has no field {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+        check_fields(values, "model.optimizer", cls)
         return cls(**values)
 
 
