@@ -56,14 +56,18 @@ def mean_of(values: list[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
+def alone_speed(runs: list[RunResult]) -> float | None:
+    """Mean tokens/s of the `runs` that had their machine to themselves (None if none did)."""
+    return mean_of([r.tokens_per_sec for r in runs if r.shared == 1])
+
+
 def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
     """Per-variant summaries in the order variants first appear in `runs`."""
     by_variant: dict[str, list[RunResult]] = {}
     for run in runs:
         by_variant.setdefault(run.variant, []).append(run)
     base = {run.seed: run for run in by_variant.get(baseline, [])}
-    alone = all(r.shared == 1 for r in base.values())
-    base_speed = mean_of([r.tokens_per_sec for r in base.values()])
+    base_speed = alone_speed(list(base.values()))
     base_memory = mean_of([r.peak_memory_gib for r in base.values()])
     summaries = []
     for name, group in by_variant.items():
@@ -76,7 +80,7 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
             for r in group
             if r.seed in base and finite(r.initial_val_loss) and finite(base[r.seed].initial_val_loss)
         ]
-        speed, memory = mean_of([r.tokens_per_sec for r in group]), mean_of([r.peak_memory_gib for r in group])
+        speed, memory = alone_speed(group), mean_of([r.peak_memory_gib for r in group])
         summaries.append(
             VariantSummary(
                 variant=name,
@@ -90,7 +94,7 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
                 gap=gap,
                 gap_sd=gap_sd,
                 tokens_per_sec=speed,
-                speed_ratio=ratio(speed, base_speed) if alone and all(r.shared == 1 for r in group) else None,
+                speed_ratio=ratio(speed, base_speed),
                 peak_memory_gib=memory,
                 memory_ratio=ratio(memory, base_memory),
                 initial_val_loss=mean_of([r.initial_val_loss for r in group]),
@@ -219,7 +223,7 @@ def shared_note(runs: list[RunResult]) -> list[str]:
     return [
         "",
         f"Runs trained {' or '.join(map(str, shared))} at a time (`--jobs`) shared their machine: their tokens/s are"
-        " not their own speed, and no speed ratio involves them.",
+        " not their own speed, and the summary's tokens/s and speed ratios leave them out.",
     ]
 
 

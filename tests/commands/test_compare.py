@@ -94,7 +94,9 @@ def test_report_equals_the_runs_logged_values(study: Path) -> None:
     assert by_name["mhar-block"]["gap"] == pytest.approx(statistics.fmean(gaps), abs=1e-7)
     assert by_name["sum"]["routing_params"] == 0 < by_name["mhar-block"]["routing_params"]
     assert [r["shared"] for r in results["runs"]] == [1, 2, 2, 2]  # sum seed 0 alone, then two at a time
-    assert by_name["sum"]["speed_ratio"] is None and by_name["mhar-block"]["speed_ratio"] is None
+    alone = results["runs"][0]["tokens_per_sec"]  # speeds are those of the runs that trained alone
+    assert by_name["sum"]["tokens_per_sec"] == alone and by_name["sum"]["speed_ratio"] == 1.0
+    assert by_name["mhar-block"]["tokens_per_sec"] is None and by_name["mhar-block"]["speed_ratio"] is None
     text = (study / "report.md").read_text()
     assert "Runs trained 2 at a time (`--jobs`) shared their machine" in text
     assert f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}" in text

@@ -1,4 +1,4 @@
-"""The study report's speed ratios: only between runs that had their machine to themselves."""
+"""The study report's speeds and speed ratios: only of runs that had their machine to themselves."""
 
 import pytest
 
@@ -21,3 +21,5 @@ def test_speed_ratios_compare_only_runs_that_trained_alone() -> None:
     assert [s.speed_ratio for s in shared] == [1.0, None]
     assert [s.memory_ratio for s in shared] == [1.0, 1.0]  # peak memory stays each run's own
     assert summarize([run("sum", 0, 400.0, shared=2), run("mhar", 0, 100.0)], "sum")[1].speed_ratio is None
+    mixed = [run("sum", 0, 90.0, shared=4), run("sum", 1, 400.0), run("mhar", 0, 50.0, shared=4), run("mhar", 1, 200.0)]
+    assert [(s.tokens_per_sec, s.speed_ratio) for s in summarize(mixed, "sum")] == [(400.0, 1.0), (200.0, 0.5)]
