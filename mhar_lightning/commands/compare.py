@@ -18,7 +18,7 @@ from mhar_lightning.errors import MharError
 from mhar_lightning.study import plots, report
 from mhar_lightning.study.continuation import convert_checkpoint
 from mhar_lightning.study.grid import CHILDREN, LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
-from mhar_lightning.study.results import RunResult, initial_val_loss, read_run
+from mhar_lightning.study.results import RunResult, has_logs, initial_val_loss, read_run
 
 STRATEGIES: dict[str, dict[str, Any] | str] = {
     "sum": "sum",
@@ -285,7 +285,7 @@ def collect_all(study: Path, reread: bool, unfinished: set[Path]) -> tuple[list[
         if path.parent in unfinished:
             continue
         result = RunResult.load(path.parent)
-        if reread and (path.parent / "tensorboard").is_dir():
+        if reread and has_logs(path.parent):
             result = read_run(path.parent, result.variant, result.seed, result.definition, result.shared)
             result.save(path.parent)
         results.append(result)
@@ -336,6 +336,8 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     title = f"{len(results)} runs" + (f" ({len(unfinished)} still to train)" if unfinished else "")
     console.print(report.console_table(summaries, baseline, title))
     console.print(f"report: {path}")
+    for line in report.suspect_runs(results):
+        console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
     if failed:
         failures = f"{len(failed)} runs failed ({', '.join(failed)})"
         console.print(f"mhar compare: error: {failures}; their logs say why", markup=False, soft_wrap=True)

@@ -11,6 +11,23 @@ from mhar_lightning.study.results import RunResult, finite
 
 TRAIN_TAIL = 0.1
 """The final training loss is the mean of the logged values in this last fraction of a run's steps."""
+SUSPECT_VAL_RATIO = 1.5
+"""A run whose final validation loss exceeds its final training loss by this factor is named as one to check."""
+
+
+def suspect_runs(runs: list[RunResult]) -> list[str]:
+    """One line per run whose validation loss is far above its own training loss: a validation that does not
+    measure the trained model, or a model that memorised its training data."""
+    lines = []
+    for run in runs:
+        train = train_tail(run)
+        if finite(train) and train > 0 and run.val_loss > SUSPECT_VAL_RATIO * train:
+            lines.append(
+                f"{run.variant} seed {run.seed}: validation loss {run.val_loss:.4f} is {run.val_loss / train:.1f}x"
+                f" its training loss {train:.4f} (last {TRAIN_TAIL:.0%} of steps); check its validation before"
+                " reading its numbers"
+            )
+    return lines
 
 
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
@@ -169,6 +186,7 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a"
         " run; memory: peak allocated).",
         *shared_note(runs),
+        *suspect_note(runs),
         "",
         "## Summary",
         "",
@@ -213,6 +231,12 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def suspect_note(runs: list[RunResult]) -> list[str]:
+    """The `suspect_runs` as a list under a heading (nothing if there are none)."""
+    suspects = suspect_runs(runs)
+    return ["", "Runs to check:", "", *(f"- {line}" for line in suspects)] if suspects else []
 
 
 def shared_note(runs: list[RunResult]) -> list[str]:

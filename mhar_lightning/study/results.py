@@ -73,6 +73,12 @@ def versions(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("version_")))
 
 
+def has_logs(run_dir: Path) -> bool:
+    """Whether `run_dir` holds the logs `read_run` reads (not only its result files, as a copied study may)."""
+    found = versions(run_dir)
+    return bool(found) and all((found[-1] / name).is_file() for name in ("config.yaml", "hparams.yaml"))
+
+
 def read_scalars(root: Path) -> dict[str, dict[int, float]]:
     """tag -> {optimizer steps done: value} of the study's tags over every version (a later one overrides).
 

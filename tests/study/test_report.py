@@ -1,8 +1,11 @@
-"""The study report's speeds and speed ratios: only of runs that had their machine to themselves."""
+"""The study report: speeds and speed ratios only of runs that had their machine to themselves; runs whose
+validation is far above their training loss named."""
+
+from dataclasses import replace
 
 import pytest
 
-from mhar_lightning.study.report import summarize
+from mhar_lightning.study.report import markdown, summarize, suspect_runs
 from mhar_lightning.study.results import RunResult
 
 
@@ -23,3 +26,13 @@ def test_speed_ratios_compare_only_runs_that_trained_alone() -> None:
     assert summarize([run("sum", 0, 400.0, shared=2), run("mhar", 0, 100.0)], "sum")[1].speed_ratio is None
     mixed = [run("sum", 0, 90.0, shared=4), run("sum", 1, 400.0), run("mhar", 0, 50.0, shared=4), run("mhar", 1, 200.0)]
     assert [(s.tokens_per_sec, s.speed_ratio) for s in summarize(mixed, "sum")] == [(400.0, 1.0), (200.0, 0.5)]
+
+
+def test_a_run_whose_validation_is_far_above_its_training_loss_is_named() -> None:
+    healthy = run("sum", 0, 400.0)
+    broken = replace(run("hyper-connections", 1, 300.0), val_loss=1.5, train_curve=[(9, 0.6), (10, 0.55)])
+    assert suspect_runs([healthy]) == []
+    (line,) = suspect_runs([healthy, broken])
+    assert line.startswith("hyper-connections seed 1: validation loss 1.5000 is 2.6x its training loss 0.5750")
+    assert "Runs to check:" in markdown([healthy, broken], summarize([healthy, broken], "sum"), "sum", [])
+    assert "Runs to check:" not in markdown([healthy], summarize([healthy], "sum"), "sum", [])
