@@ -103,7 +103,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help=f"[NAME=]SPEC: a recipe (.yaml), one of {', '.join(STRATEGIES)}, a registered residual name or a "
         "class path, optionally with arguments (NAME=mhar:heads=2,blocks=8); default: all of the built-in ones",
     )
-    parser.add_argument("--recipe", type=Path, default=DEMO, help="recipe the strategy variants train with (demo)")
+    parser.add_argument(
+        "--recipe", type=Path, default=DEMO, help="recipe the strategy variants train with (default: the demo's)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of every variant (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare"), help="study folder (default: runs/compare)")
     parser.add_argument("--baseline", help="variant the others are compared with (default: the first)")
@@ -119,7 +121,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--jobs",
         type=int,
         default=1,
-        help="runs trained at the same time, sharing the machine (e.g. several small models on one GPU)",
+        help="runs trained at the same time, sharing the machine (e.g. several small models on one GPU; default: 1)",
     )
     parser.add_argument(
         "--report-only",

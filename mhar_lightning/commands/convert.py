@@ -38,7 +38,10 @@ def key_values(text: str) -> dict:
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: keep the source dtype)")
     parser.add_argument(
-        "--max-shard-size", type=shard_size, default=DEFAULT_SHARD_SIZE, help="largest output shard, e.g. 5GB, 500MB"
+        "--max-shard-size",
+        type=shard_size,
+        default=DEFAULT_SHARD_SIZE,
+        help="largest output shard, e.g. 5GB, 500MB (default: 5GB)",
     )
 
 
@@ -62,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("src", help="directory with config.json and model.safetensors or a sharded index")
     parser.add_argument("out", help="new (or empty) output directory")
-    parser.add_argument("--residual", default="delta-mhar", choices=sorted(RESIDUALS), help="residual strategy")
+    parser.add_argument(
+        "--residual", default="delta-mhar", choices=sorted(RESIDUALS), help="residual strategy (default: delta-mhar)"
+    )
     parser.add_argument("--heads", type=int, help="routing heads (mhar, delta-mhar)")
     parser.add_argument("--block-size", type=int, help="transformer blocks per routed block (delta-mhar)")
     parser.add_argument("--blocks", type=int, help="number of routed blocks (mhar, attnres)")

@@ -220,11 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokenizer",
         default="gpt2",
-        help="byte, gpt2, r50k_base, cl100k_base, a .tiktoken path, or a model directory (tokenizer.json)",
+        help="byte, gpt2, r50k_base, cl100k_base, a .tiktoken path, or a model directory (tokenizer.json);"
+        " default: gpt2",
     )
-    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out (by hash)")
-    parser.add_argument("--text-field", default="text", help="JSONL field / parquet column holding the text")
-    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.01, help="share of documents held out (by hash; default: 0.01)"
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="JSONL field / parquet column holding the text (default: text)"
+    )
+    parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file (default: 2^27)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
     args = parser.parse_args(argv)
