@@ -63,6 +63,15 @@ def test_pretrain_1b_recipe_is_sharded_block_mhar(tmp_path: Path) -> None:
     assert isinstance(module.residual, MHAR) and (module.residual.heads, module.residual.blocks) == (8, 8)
 
 
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_sharded_checkpoints_are_new_directories_that_last_links_to(recipe: Path) -> None:
+    """A sharded save writes a directory; Lightning rewrites `last.ckpt` in place (a kill mid-save would mix two
+    steps' shards) unless `last` is a link, which it makes only to a kept top-k checkpoint."""
+    config = merged(recipe)
+    assert config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"]
+    assert config["checkpoint"]["save_last"] == "link" and config["checkpoint"]["save_top_k"] != 0
+
+
 @pytest.mark.parametrize(
     ("recipe", "world", "batch", "seq", "limit_gib"), [("pretrain-1b", 8, 4, 2048, 40), ("midtrain-8b", 8, 1, 4096, 80)]
 )

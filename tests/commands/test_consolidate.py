@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from fsdp_helpers import MHAR, converted_init, run_ranks, tiny_corpus
@@ -38,6 +39,24 @@ def test_consolidated_weights_equal_gathered_shards(tmp_path: Path, sharded_run:
     assert model.decoder.head.weight is model.decoder.embed.weight
     for name, weight in model.state_dict().items():
         assert torch.equal(weight, gathered[name]), name
+
+
+def test_a_consolidated_checkpoint_validates_on_one_device_and_refuses_to_resume_there(
+    tmp_path: Path, sharded_run: Path
+) -> None:
+    """Validation reads no data position, so the 2-rank run's checkpoint validates on one device; resuming its
+    training there would misplace the data and stays refused."""
+    assert main([str(sharded_run / "ckpt" / "last.ckpt"), str(tmp_path / "model.ckpt")]) == 0
+    model = LanguageModel.load_from_checkpoint(tmp_path / "model.ckpt", map_location="cpu")
+    config = model.model_config
+    tokens = torch.randint(0, config.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(tokens, batch_size=2)
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (metrics,) = L.Trainer(**options).validate(model, loader, ckpt_path=tmp_path / "model.ckpt", verbose=False)
+    eager = torch.stack([model.loss(batch) for batch in loader]).mean()
+    assert metrics["val/loss"] == pytest.approx(eager.item(), rel=1e-5)
+    with pytest.raises(RuntimeError, match="written by 2 ranks and this run has 1"):
+        L.Trainer(**options, max_steps=6).fit(model, loader, ckpt_path=tmp_path / "model.ckpt")
 
 
 def test_consolidate_names_the_fix_for_a_wrong_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
