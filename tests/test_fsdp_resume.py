@@ -45,4 +45,4 @@ def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
         *args(tmp_path / "other", 1, "--ckpt-every", str(CKPT_EVERY), "--resume", str(run / "ckpt" / "last.ckpt"))
     )
     assert other.returncode != 0
-    assert "written by 2 ranks and this run has 1: resume with 2 ranks" in other.stdout
+    assert "written by 2 ranks and this run has 1: resume its training with 2 ranks" in other.stdout
