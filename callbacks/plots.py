@@ -32,7 +32,7 @@ SOURCE_NOTES = {
 def caption(maps: DepthMaps, width_in: float) -> str:
     """How to read a map (row sums, blank cells, block/delta sources), wrapped to `width_in` inches."""
     notes = [note for label, note in SOURCE_NOTES.items() if label in maps.source_labels]
-    first = BLANK if "stream 0" in maps.source_labels else f"{ROW_SUMS} · {BLANK}"
+    first = f"{ROW_SUMS} · {BLANK}" if maps.distributions else BLANK
     return "\n".join(textwrap.fill(line, int(width_in * 11)) for line in (first, *notes))
 
 

@@ -96,7 +96,8 @@ class DepthMaps:
 
     `query_weights` (query-based strategies only) holds the same per-head distributions computed directly from
     the trained queries against the probe's token-mean normalised keys (see `run_probe`); `scalars` the named
-    per-site values a strategy records (e.g. `delta_gate`), each [sites], NaN at sites without it.
+    per-site values a strategy records (e.g. `delta_gate`), each [sites], NaN at sites without it; `distributions`
+    whether the weights are probabilities over the sources (`Residual.weights_are_distributions`).
     """
 
     sites: tuple[int, ...]
@@ -105,6 +106,7 @@ class DepthMaps:
     weights: np.ndarray
     query_weights: np.ndarray | None = None
     scalars: dict[str, np.ndarray] = field(default_factory=dict)
+    distributions: bool = True
 
     @property
     def heads(self) -> int:
@@ -115,9 +117,10 @@ class DepthMaps:
         """[sites, sources]: the head average (each head mixes its own d/H slice, so this is the mean routing)."""
         return self.weights.mean(axis=1)
 
-    def entropy(self) -> np.ndarray:
-        """[sites]: entropy (nats) of each head's token-averaged depth distribution, averaged over heads."""
-        return entropy(self.weights).mean(axis=1)
+    def entropy(self) -> np.ndarray | None:
+        """[sites]: entropy (nats) of each head's token-averaged depth distribution, averaged over heads (None for
+        weights that are not distributions)."""
+        return entropy(self.weights).mean(axis=1) if self.distributions else None
 
     def embedding_weight(self) -> np.ndarray | None:
         """[sites]: head-averaged weight on the token embedding (None when the embedding is not a source)."""
@@ -148,6 +151,7 @@ class DepthMaps:
             "site_labels": np.array(self.site_labels),
             "source_labels": np.array(self.source_labels),
             "weights": self.weights,
+            "distributions": np.array(self.distributions),
             **({} if self.query_weights is None else {"query_weights": self.query_weights}),
             **{f"scalar/{name}": values for name, values in self.scalars.items()},
         }
@@ -164,6 +168,7 @@ class DepthMaps:
                 weights=data["weights"],
                 query_weights=data.get("query_weights"),
                 scalars={k.removeprefix("scalar/"): data[k] for k in data.files if k.startswith("scalar/")},
+                distributions=bool(data["distributions"]) if "distributions" in data.files else True,
             )
 
 
@@ -226,4 +231,5 @@ def run_probe(model: nn.Module, tokens: Tensor, reduce: Reduce | None = None) ->
         weights=_layout_array(weights, layout),
         query_weights=query_weights,
         scalars=scalars,
+        distributions=routers[0].weights_are_distributions,
     )

@@ -11,7 +11,7 @@ from torch import nn
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
 from mhar_lightning.probe import DepthMaps, js_divergence, mean_pairwise_js, routers_of, run_probe
-from mhar_lightning.residual import MHAR, DeltaMHAR, Residual, capture_sites
+from mhar_lightning.residual import MHAR, DeltaMHAR, HyperConnections, Residual, capture_sites
 
 TINY = ModelConfig.preset("tiny")
 
@@ -156,6 +156,8 @@ def test_npz_round_trip_keeps_labels(tmp_path):
     assert loaded.site_labels == maps.site_labels and loaded.source_labels == maps.source_labels
     np.testing.assert_array_equal(loaded.weights, maps.weights)
     np.testing.assert_array_equal(loaded.scalars["delta_gate"], maps.scalars["delta_gate"])
+    streams = run_probe(Decoder(TINY, HyperConnections(rate=2)), torch.randint(0, 256, (1, 4)))
+    assert loaded.distributions and not DepthMaps.load(streams.save(tmp_path / "streams.npz")).distributions
 
 
 class EmbeddingMix(Residual):

@@ -86,14 +86,19 @@ def scalar_columns(scalars: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]
 def summary_table(maps: DepthMaps) -> Table:
     """One row per routing site: concentration, embedding/recent weight, top source, head disagreement (with several
     heads), and every scalar the strategy records (a gate; write weights, one per stream, in one column)."""
-    caption = (
-        "entropy: nats, mean over heads · emb / recent: head-mean weight on the embedding / the latest source · "
-        "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"
-    )
     columns = {"entropy": maps.entropy(), "emb": maps.embedding_weight(), "recent": maps.recent_weight()}
     if maps.heads > 1:
         columns.update({"JS": maps.head_js(), "JS q": maps.query_head_js()})
     columns = {name: values for name, values in columns.items() if values is not None}
+    caption = " · ".join(
+        note
+        for name, note in (
+            ("entropy", "entropy: nats, mean over heads"),
+            ("recent", "emb / recent: head-mean weight on the embedding / the latest source"),
+            ("JS", "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"),
+        )
+        if name in columns
+    )
     extra = scalar_columns(maps.scalars)
     table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("site", no_wrap=True)

@@ -69,11 +69,14 @@ class Residual(nn.Module, ABC):
     A strategy whose sites weigh sources describes them for the probe, its callbacks and `mhar inspect`:
     `source_labels` names the sources, `site_sources` says which of them each site reads, and while
     `self.capture` is set (by `capture_sites`) its reads call `record` with their weights and any scalars to log.
+    `weights_are_distributions` says whether those weights are probabilities over the sources (a softmax), which
+    their entropy needs; learned mixing weights of any sign are not.
     """
 
     sites: range
     n_sublayers: int
     capture: SiteCapture | None = None
+    weights_are_distributions: bool = True
 
     def spawn(self, config: ModelConfig, sites: range) -> "Residual":
         """A fresh router for routing sites `sites` (sublayer indices; `config.n_sublayers` is the final read)."""

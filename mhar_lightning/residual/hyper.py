@@ -40,6 +40,8 @@ class HyperConnections(Residual):
     the streams it reads and used again by its write.
     """
 
+    weights_are_distributions = False  # read weights of any sign, not a softmax
+
     def __init__(self, rate: int = 4, dynamic: bool = True) -> None:
         super().__init__()
         if rate < 1:
