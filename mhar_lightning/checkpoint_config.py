@@ -44,10 +44,15 @@ def runtime_overrides(
         if field not in hparams:
             continue
         for name, mine, theirs in differences(field, given[field], model[field], hparams):
+            fix = (
+                "a resumed run keeps its model and optimizer, so drop the flag (another model or optimizer is a new"
+                " run, e.g. from converted weights with --model.init_from)"
+                if training
+                else "validation runs the checkpoint's model, so drop the flag or give the value it was trained with"
+                " (a recipe's model settings count as given)"
+            )
             raise CheckpointError(
-                f"--model.{name}={mine} contradicts checkpoint {path}, trained with {name}={theirs}: a resumed run"
-                " keeps its model and optimizer, so drop the flag (another model or optimizer is a new run, e.g."
-                " from converted weights with --model.init_from)"
+                f"--model.{name}={mine} contradicts checkpoint {path}, trained with {name}={theirs}: {fix}"
             )
     return {field: model[field] for field in given.keys() & runtime}
 

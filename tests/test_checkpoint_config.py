@@ -67,3 +67,15 @@ def test_runtime_flags_change_on_resume_and_the_rest_comes_from_the_checkpoint(t
         capsys,
     )
     assert code == 0, err  # no model flags: the checkpoint's MHAR model is validated
+
+
+def test_validate_with_a_contradicting_model_flag_names_the_training_value(trained: Path, capsys) -> None:
+    ckpt = trained / "checkpoints" / "last.ckpt"
+    args = ["validate", "--ckpt_path", str(ckpt), "--data.seq_len", "32", "--model.residual", "sum"]
+    code, _, err = run([*args, "--trainer.limit_val_batches", "1"], capsys)
+    assert code == 2
+    expected = (
+        "trained with residual=MHAR(heads=4, blocks=None): validation runs the checkpoint's model, so drop the flag"
+        " or give the value it was trained with (a recipe's model settings count as given)"
+    )
+    assert err.strip().splitlines()[-1].endswith(expected)
