@@ -42,6 +42,16 @@ class StepProgressBar(RichProgressBar):
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
 
+    def _by_steps(self) -> bool:
+        """A run bounded by `max_steps` alone: the bar counts optimizer steps out of `max_steps`, not the batches of
+        an epoch (after a resume Lightning's count would read 620/20: the epoch's batch index over the steps left)."""
+        trainer = self.trainer
+        return trainer.max_epochs is not None and trainer.max_epochs < 0 and trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._start = (time.monotonic(), trainer.global_step)
@@ -50,13 +60,14 @@ class StepProgressBar(RichProgressBar):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        done = step if self._by_steps() else batch_idx + 1
         if step % (self.every_n_steps or max(1, trainer.log_every_n_steps)):
             if not self.is_disabled and self.train_progress_bar_id is None:
                 self._initialize_train_progress_bar_id()
-            self._update(self.train_progress_bar_id, batch_idx + 1)
+            self._update(self.train_progress_bar_id, done)
             self.refresh()
             return
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, done - 1)
         if step > 0 and not sys.stdout.isatty():
             self._print_line(trainer)
 

@@ -92,3 +92,15 @@ def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: P
     assert "Epoch 0/-2" not in done.stdout
     for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec", "FLOPs"):
         assert noise not in done.stdout + done.stderr, noise
+
+
+def test_bar_counts_optimizer_steps_across_a_resume(tmp_path) -> None:
+    """A run bounded by `max_steps`: the bar reads steps done out of `max_steps`, before and after a resume."""
+    args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.limit_val_batches", "0"]
+    args += ["--data.seq_len", "32", "--data.batch_size", "2", "--checkpoint.every_n_train_steps", "4"]
+    for max_steps, ckpt_path in ((4, None), (6, "last")):
+        cli = MharCLI(args=[*args, "--trainer.max_steps", str(max_steps)], run=False)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+        bar = cli.trainer.progress_bar_callback
+        task = bar.progress.tasks[bar.train_progress_bar_id]
+        assert (task.completed, task.total) == (max_steps, max_steps)
