@@ -10,6 +10,14 @@ from mhar_lightning.module import LanguageModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches() -> None:
+    """Each test compiles its own graphs: blocks whose graphs no longer fit the recompile limits run eagerly, and a
+    comparison with eager would then pass without testing anything."""
+    torch._dynamo.reset()
+
+
 RESIDUALS = {
     "sum": "sum",
     "mhar-block": {"class_path": "mhar_lightning.residual.MHAR", "init_args": {"heads": 4, "blocks": 2}},
