@@ -133,13 +133,14 @@ def compile_blocks(decoder: Decoder, options: Mapping[str, Any] | None = None) -
 
     Blocks share one code object, but routed strategies pass a stream whose length grows with depth and each
     block has its own sublayer indices, so each block gets its own graph, for training and again for no-grad
-    evaluation, with room for a shape change in each: the recompile limits are raised to `GRAPHS_PER_BLOCK` per
-    block, else the blocks would fall back to eager once the limit is hit (at the first validation, say).
+    evaluation, with room for a shape change in each: the recompile limits are raised by `GRAPHS_PER_BLOCK` per
+    block, else the blocks would fall back to eager once the limit is hit (at the first validation, say). Raised
+    by, not to: graphs of decoders compiled earlier in the process keep counting against the limits.
     """
     options = inductor_options(options)
     graphs = GRAPHS_PER_BLOCK * len(decoder.blocks)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
-    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, graphs)
+    torch._dynamo.config.recompile_limit += graphs
+    torch._dynamo.config.accumulated_recompile_limit += graphs
     for block in decoder.blocks:
         block.compile(options=options)
 

@@ -198,6 +198,23 @@ def test_compiled_blocks_keep_their_graphs_through_evaluation(monkeypatch: pytes
     torch._dynamo.reset()
 
 
+def test_decoders_compiled_one_after_another_all_get_their_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoders of different shapes compiled in one process (a notebook, a sweep): each one's blocks still get
+    graphs of their own, though the earlier decoders' graphs stay in the blocks' shared cache."""
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda graph, inputs, **kwargs: graph.forward)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for width in (32, 48, 64):
+            model = LanguageModel(seq_len=16, residual="mhar", model_overrides={"n_layers": 2, "d_model": width})
+            model.configure_model()
+            compile_blocks(model.decoder)
+            batch = torch.randint(0, 256, (2, 17))
+            model.loss(batch).backward()
+            with torch.inference_mode():
+                model.loss(batch)
+    torch._dynamo.reset()
+
+
 def test_sharded_random_init_draws_independent_shards(workdir: Path) -> None:
     """Without `init_from`, each rank initialises its own shards: right std, and no rank repeats another's values."""
     out = _run(workdir, "random-init", "--fsdp", "--devices", "2", "--batch", "4", "--untied", "--steps", "1")
