@@ -52,9 +52,23 @@ class StepProgressBar(RichProgressBar):
     def total_train_batches(self) -> int | float:
         return self.trainer.max_steps if self._by_steps() else super().total_train_batches
 
+    def _start_at_step(self, trainer: L.Trainer) -> None:
+        """Start the bar of a `max_steps` run at the steps already done, so that a resumed run's speed and times are
+        its own, not those of a jump from 0 to its first step."""
+        if not self._by_steps() or self.progress is None:
+            return
+        if self.train_progress_bar_id is None:  # Lightning adds it at an epoch start, which a resume skips
+            self._initialize_train_progress_bar_id()
+        self.progress.reset(self.train_progress_bar_id, completed=trainer.global_step)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._start = (time.monotonic(), trainer.global_step)
+        self._start_at_step(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._start_at_step(trainer)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -95,7 +95,8 @@ def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: P
 
 
 def test_bar_counts_optimizer_steps_across_a_resume(tmp_path) -> None:
-    """A run bounded by `max_steps`: the bar reads steps done out of `max_steps`, before and after a resume."""
+    """A run bounded by `max_steps`: the bar reads steps done out of `max_steps`, before and after a resume, and its
+    speed counts only the steps this run trained (rich's samples: the progress made since the task started)."""
     args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.limit_val_batches", "0"]
     args += ["--data.seq_len", "32", "--data.batch_size", "2", "--checkpoint.every_n_train_steps", "4"]
     for max_steps, ckpt_path in ((4, None), (6, "last")):
@@ -104,3 +105,4 @@ def test_bar_counts_optimizer_steps_across_a_resume(tmp_path) -> None:
         bar = cli.trainer.progress_bar_callback
         task = bar.progress.tasks[bar.train_progress_bar_id]
         assert (task.completed, task.total) == (max_steps, max_steps)
+        assert sum(sample.completed for sample in task._progress) == (4 if ckpt_path is None else 2)
