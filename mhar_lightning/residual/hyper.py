@@ -80,8 +80,10 @@ class HyperConnections(Residual):
         if not self.dynamic:
             return read, mix, write
         j = self.site(l)
-        proj = [unit_rms(h, self.norm_eps) @ self.dynamic_proj[j].to(h.dtype) for h in streams]
-        terms = torch.tanh(torch.stack(proj, -2))  # [..., n, n + 2]
+        # One matrix product for all n streams, not n products stacked: one launch, and no products written into
+        # slices of a stacked buffer.
+        normed = torch.stack([unit_rms(h, self.norm_eps) for h in streams], -2)  # [..., n, d]
+        terms = torch.tanh(normed @ self.dynamic_proj[j].to(normed.dtype))  # [..., n, n + 2]
         scale_a, scale_b = self.dynamic_scale[j, 0], self.dynamic_scale[j, 1]
         return read + scale_a * terms[..., 0], mix + scale_a * terms[..., 1:-1], write + scale_b * terms[..., -1]
 
