@@ -195,7 +195,7 @@ def test_cli_errors_are_one_line(run, tmp_path, capsys):
     assert line.startswith("mhar evaluate: error: checkpoint")
     with pytest.raises(SystemExit) as done:
         mhar(["evaluate", str(checkpoint), "--data", str(data), "--split", "test"])
-    assert "has no 'test' split" in capsys.readouterr().err
+    assert done.value.code == 2 and "has no 'test' split" in capsys.readouterr().err
     (tmp_path / "sharded").mkdir()
     (tmp_path / "sharded" / "meta.pt").write_bytes(b"")
     with pytest.raises(SystemExit):
