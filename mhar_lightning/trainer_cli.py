@@ -33,6 +33,7 @@ from mhar_lightning.errors import ConfigError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.recipes import recipe_chain
+from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
 
@@ -76,6 +77,7 @@ class MharCLI(LightningCLI):
             },
             seed_everything_default=0,
             parser_class=MharArgumentParser,
+            save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             args=args,

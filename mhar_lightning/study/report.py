@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from mhar_lightning.run_environment import PACKAGES
 from mhar_lightning.study.results import RunResult, finite
 
 TRAIN_TAIL = 0.1
@@ -228,9 +229,29 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
             for s in summaries
         ]
         lines += markdown_table(["variant", "start val loss", f"vs {baseline}", "final val loss"], rows)
+    lines += environment_note(runs)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def environment_note(runs: list[RunResult]) -> list[str]:
+    """A table of the devices and versions the runs trained with, one row per combination (nothing if no run
+    recorded one): runs compared across rows may differ by more than their variant."""
+    if not any(r.environment for r in runs):
+        return []
+    keys = ["device", "world_size", *PACKAGES, "python"]
+    groups: dict[tuple[str, ...], list[RunResult]] = {}
+    for run in runs:
+        row = tuple("-" if run.environment.get(k) is None else str(run.environment[k]) for k in keys)
+        groups.setdefault(row, []).append(run)
+    rows = []
+    for row, members in groups.items():
+        dates = sorted(str(r.environment["started"])[:10] for r in members if r.environment.get("started"))
+        names = ", ".join(f"{r.variant} {r.seed}" for r in members)
+        rows.append([*row, f"{dates[0]} - {dates[-1]}" if dates else "-", names])
+    header = ["device", "ranks", *PACKAGES, "python", "started", "runs (variant seed)"]
+    return ["", "## Environment", "", *markdown_table(header, rows, len(header))]
 
 
 def suspect_note(runs: list[RunResult]) -> list[str]:

@@ -17,6 +17,7 @@ from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.parallel import routing_parameters
 from mhar_lightning.probe import DepthMaps
+from mhar_lightning.run_environment import ENVIRONMENT_FILE
 from mhar_lightning.study.grid import RESULT_FILE
 
 VAL_LOSS, TRAIN_LOSS = "val/loss", "train/loss"
@@ -49,6 +50,8 @@ class RunResult:
     hparams: dict[str, Any] = field(default_factory=dict)
     shared: int = 1
     """Runs trained at the same time on its machine (`mhar compare --jobs`): above 1 its tokens/s are not its own."""
+    environment: dict[str, Any] = field(default_factory=dict)
+    """The device, world size and versions the run trained with (its `environment.json`; empty if not recorded)."""
 
     @property
     def tokens(self) -> int:
@@ -144,6 +147,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: in
     heads = DepthMaps.load(run_dir / DEPTH_MAPS).heads if (run_dir / DEPTH_MAPS).is_file() else None
     train = scalars[TRAIN_LOSS]
     peak = scalars[PEAK_MEMORY]
+    environment = latest / ENVIRONMENT_FILE
     return RunResult(
         variant=variant,
         seed=seed,
@@ -161,6 +165,7 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: in
         initial_val_loss=initial_val_loss(run_dir),
         hparams={"residual": hparams["residual"], "preset": hparams.get("preset"), "routing_heads": heads},
         shared=shared,
+        environment=json.loads(environment.read_text()) if environment.is_file() else {},
     )
 
 

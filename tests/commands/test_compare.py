@@ -84,6 +84,8 @@ def test_report_equals_the_runs_logged_values(study: Path) -> None:
         assert run["val_loss"] == pytest.approx(val[5], abs=1e-7)
         assert run["tokens_per_step"] == 4 * 32
         assert run["tokens_per_sec"] > 0 and run["peak_memory_gib"] is None  # no GPU memory on CPU
+        environment = run["environment"]  # recorded by the run's own `mhar fit`
+        assert (environment["device"], environment["world_size"], environment["torch"]) == ("cpu", 1, torch.__version__)
         logged[run["variant"], run["seed"]] = val[5]
     by_name = {v["variant"]: v for v in results["variants"]}
     for name in ("sum", "mhar-block"):
@@ -99,6 +101,7 @@ def test_report_equals_the_runs_logged_values(study: Path) -> None:
     assert by_name["mhar-block"]["tokens_per_sec"] is None and by_name["mhar-block"]["speed_ratio"] is None
     text = (study / "report.md").read_text()
     assert "Runs trained 2 at a time (`--jobs`) shared their machine" in text
+    assert f"| cpu | 1 | {results['runs'][0]['environment']['mhar-lightning']} | {torch.__version__} |" in text
     assert f"{statistics.fmean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}" in text
     for value in logged.values():
         assert f"| {value:.4f} |" in text

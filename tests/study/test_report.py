@@ -1,5 +1,5 @@
 """The study report: speeds and speed ratios only of runs that had their machine to themselves; runs whose
-validation is far above their training loss named."""
+validation is far above their training loss named; the devices and versions the runs trained with."""
 
 from dataclasses import replace
 
@@ -36,3 +36,18 @@ def test_a_run_whose_validation_is_far_above_its_training_loss_is_named() -> Non
     assert line.startswith("hyper-connections seed 1: validation loss 1.5000 is 2.6x its training loss 0.5750")
     assert "Runs to check:" in markdown([healthy, broken], summarize([healthy, broken], "sum"), "sum", [])
     assert "Runs to check:" not in markdown([healthy], summarize([healthy], "sum"), "sum", [])
+
+
+def test_the_environments_runs_trained_in_are_listed_with_their_runs() -> None:
+    card = {"device": "NVIDIA H200", "world_size": 1, "torch": "2.11.0", "started": "2026-12-02T10:00:00+00:00"}
+    runs = [
+        replace(run("sum", 0, 400.0), environment=card),
+        replace(run("mhar", 0, 300.0), environment={**card, "started": "2026-12-03T09:00:00+00:00"}),
+        replace(run("sum", 1, 400.0), environment={**card, "torch": "2.12.0"}),
+    ]
+    text = markdown(runs, summarize(runs, "sum"), "sum", [])
+    section = text.split("## Environment")[1].splitlines()
+    assert "| NVIDIA H200 | 1 | - | 2.11.0 | - | - | - | 2026-12-02 - 2026-12-03 | sum 0, mhar 0 |" in section
+    assert "| NVIDIA H200 | 1 | - | 2.12.0 | - | - | - | 2026-12-02 - 2026-12-02 | sum 1 |" in section
+    unrecorded = [run("sum", 0, 400.0)]  # results written before runs recorded their environment
+    assert "## Environment" not in markdown(unrecorded, summarize(unrecorded, "sum"), "sum", [])
