@@ -2,9 +2,11 @@
 so a result can be traced to its card and software (`mhar compare` reports them per run)."""
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import platform
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,36 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def source_fingerprint(folders: Iterable[str | Path]) -> str:
+    """The first 12 hex digits of a sha256 over the `.py` files under `folders` (relative paths and contents): it
+    tells apart runs of one version number whose code differed (a source checkout between commits)."""
+    digest = hashlib.sha256()
+    for folder in map(Path, folders):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(f"{folder.name}/{path.relative_to(folder).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def kit_folders() -> list[str]:
+    """The folders the installed kit's modules load from (`kernels` and `callbacks` may live apart from it)."""
+    import mhar_lightning
+    import mhar_lightning.callbacks
+    import mhar_lightning.kernels
+
+    return [*mhar_lightning.__path__, *mhar_lightning.kernels.__path__, *mhar_lightning.callbacks.__path__]
+
+
 def run_environment(trainer: L.Trainer) -> dict[str, Any]:
-    """Device name, device count (world size), package versions, Python and the start time (UTC) of `trainer`'s run."""
+    """Device name, device count (world size), package versions, the kit's source fingerprint, Python and the start
+    time (UTC) of `trainer`'s run."""
     device = trainer.strategy.root_device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {
         "device": name,
         "world_size": trainer.world_size,
         **{package: package_version(package) for package in PACKAGES},
+        "source": source_fingerprint(kit_folders()),
         "python": platform.python_version(),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

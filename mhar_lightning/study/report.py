@@ -240,7 +240,7 @@ def environment_note(runs: list[RunResult]) -> list[str]:
     recorded one): runs compared across rows may differ by more than their variant."""
     if not any(r.environment for r in runs):
         return []
-    keys = ["device", "world_size", *PACKAGES, "python"]
+    keys = ["device", "world_size", *PACKAGES, "source", "python"]
     groups: dict[tuple[str, ...], list[RunResult]] = {}
     for run in runs:
         row = tuple("-" if run.environment.get(k) is None else str(run.environment[k]) for k in keys)
@@ -250,7 +250,7 @@ def environment_note(runs: list[RunResult]) -> list[str]:
         dates = sorted(str(r.environment["started"])[:10] for r in members if r.environment.get("started"))
         names = ", ".join(f"{r.variant} {r.seed}" for r in members)
         rows.append([*row, f"{dates[0]} - {dates[-1]}" if dates else "-", names])
-    header = ["device", "ranks", *PACKAGES, "python", "started", "runs (variant seed)"]
+    header = ["device", "ranks", *PACKAGES, "kit source", "python", "started", "runs (variant seed)"]
     return ["", "## Environment", "", *markdown_table(header, rows, len(header))]
 
 

@@ -47,7 +47,7 @@ def test_the_environments_runs_trained_in_are_listed_with_their_runs() -> None:
     ]
     text = markdown(runs, summarize(runs, "sum"), "sum", [])
     section = text.split("## Environment")[1].splitlines()
-    assert "| NVIDIA H200 | 1 | - | 2.11.0 | - | - | - | 2026-12-02 - 2026-12-03 | sum 0, mhar 0 |" in section
-    assert "| NVIDIA H200 | 1 | - | 2.12.0 | - | - | - | 2026-12-02 - 2026-12-02 | sum 1 |" in section
+    assert "| NVIDIA H200 | 1 | - | 2.11.0 | - | - | - | - | 2026-12-02 - 2026-12-03 | sum 0, mhar 0 |" in section
+    assert "| NVIDIA H200 | 1 | - | 2.12.0 | - | - | - | - | 2026-12-02 - 2026-12-02 | sum 1 |" in section
     unrecorded = [run("sum", 0, 400.0)]  # results written before runs recorded their environment
     assert "## Environment" not in markdown(unrecorded, summarize(unrecorded, "sum"), "sum", [])
