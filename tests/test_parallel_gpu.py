@@ -1,5 +1,6 @@
-"""`compile_blocks` on a GPU: the compiled no-grad and inference-mode forward of every strategy equals eager at a
-deep, study-sized shape, with every weight moved off its initialisation (skipped without CUDA)."""
+"""`compile_blocks` on a GPU: the compiled no-grad and inference-mode forward, and the compiled training gradients,
+of every strategy are as accurate as eager ones at a deep, study-sized shape, with every weight moved off its
+initialisation (skipped without CUDA)."""
 
 import pytest
 import torch
@@ -28,16 +29,27 @@ RESIDUALS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-@pytest.mark.parametrize("name", list(RESIDUALS))
-def test_compiled_evaluation_forward_is_as_accurate_as_eager(name: str, mode: str) -> None:
-    """bf16 autocast, 16 x 512 tokens: the compiled logits are no further from the fp32 eager logits than the bf16
-    eager ones are (relative to their norm; sharp depth softmaxes make bf16 rounding alone worth about 2 %)."""
+def moved_decoder(name: str) -> Decoder:
+    """The `CONFIG` decoder of strategy `name` on the GPU, every weight moved off its initialisation (where every
+    strategy equals `sum`)."""
     torch.manual_seed(0)
     decoder = Decoder(CONFIG, RESIDUALS[name]).cuda()
     with torch.no_grad():
         for param in decoder.parameters():
             param.add_(torch.randn_like(param), alpha=0.3 if param.abs().max() == 0 else 0.3 * param.std().item())
+    return decoder
+
+
+def relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((value.float() - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("name", list(RESIDUALS))
+def test_compiled_evaluation_forward_is_as_accurate_as_eager(name: str, mode: str) -> None:
+    """bf16 autocast, 16 x 512 tokens: the compiled logits are no further from the fp32 eager logits than the bf16
+    eager ones are (relative to their norm; sharp depth softmaxes make bf16 rounding alone worth about 2 %)."""
+    decoder = moved_decoder(name)
     tokens = torch.randint(0, CONFIG.vocab_size, (16, 512), device="cuda")
     with getattr(torch, mode)():
         exact = decoder(tokens)
@@ -45,5 +57,32 @@ def test_compiled_evaluation_forward_is_as_accurate_as_eager(name: str, mode: st
             eager = decoder(tokens).float()
             compile_blocks(decoder)
             compiled = decoder(tokens).float()
-    eager_error, error = ((logits - exact).norm() / exact.norm() for logits in (eager, compiled))
+    eager_error, error = (relative_error(logits, exact) for logits in (eager, compiled))
     assert error <= 2 * eager_error + 1e-3, f"compiled {mode} logits off by {error:.3g}, eager bf16 {eager_error:.3g}"
+
+
+@pytest.mark.parametrize("name", list(RESIDUALS))
+def test_compiled_training_gradients_are_as_accurate_as_eager(name: str) -> None:
+    """bf16 autocast, 4 x 512 tokens: each parameter's compiled gradient is no further from its fp32 eager gradient
+    than the bf16 eager one is (relative to that gradient's norm, with a floor of 1e-3 of the largest norm)."""
+    decoder = moved_decoder(name)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, 513), device="cuda")
+
+    def gradients(autocast: bool) -> dict[str, torch.Tensor]:
+        decoder.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            logits = decoder(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        return {n: p.grad.detach().clone() for n, p in decoder.named_parameters()}
+
+    exact, eager = gradients(autocast=False), gradients(autocast=True)
+    compile_blocks(decoder)
+    compiled = gradients(autocast=True)
+    floor = 1e-3 * max(g.norm() for g in exact.values())
+    for param, reference in exact.items():
+        scale = torch.maximum(reference.norm(), floor)
+        eager_error = float((eager[param] - reference).norm() / scale)
+        error = float((compiled[param] - reference).norm() / scale)
+        assert (
+            error <= 2 * eager_error + 1e-3
+        ), f"{param}: compiled gradient off by {error:.3g}, eager bf16 {eager_error:.3g}"
