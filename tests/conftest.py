@@ -170,3 +170,10 @@ def trained_mhar_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
     root = once(tmp_path_factory, "mhar-run", trained_checkpoint)
     return root / "checkpoints" / "last.ckpt", root / "prepared"
+
+
+@pytest.fixture
+def fresh_compile_caches() -> None:
+    """Dynamo's caches emptied before the test, so it compiles its own graphs: blocks whose graphs no longer fit the
+    recompile limits run eagerly, and a comparison with eager would then pass without testing anything."""
+    torch._dynamo.reset()

@@ -8,14 +8,10 @@ import torch
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile_caches() -> None:
-    """Each test compiles its own graphs: blocks whose graphs no longer fit the recompile limits run eagerly, and a
-    comparison with eager would then pass without testing anything."""
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_compile_caches"),
+]
 
 
 RESIDUALS = {

@@ -9,15 +9,10 @@ from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
 from mhar_lightning.parallel import compile_blocks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile_caches() -> None:
-    """Each test compiles its own graphs: blocks whose graphs no longer fit the recompile limits run eagerly, and a
-    comparison with eager would then pass without testing anything."""
-    torch._dynamo.reset()
-
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_compile_caches"),
+]
 
 CONFIG = ModelConfig(vocab_size=256, d_model=192, n_layers=4, n_heads=3, n_kv_heads=1, ffn_hidden=512, max_seq_len=512)
 RESIDUALS = {
