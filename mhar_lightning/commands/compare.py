@@ -143,6 +143,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not args.variants and args.report_only is None:
         args.variants = list(STRATEGIES)
         overrides = [*TINY_OVERRIDES, *overrides]
+    if args.report_only is not None and not args.out.is_dir():
+        parser.error(f"--report-only {args.out}: no such folder; pass the --out folder of an earlier `mhar compare`")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: train at least one run at a time")
     if args.max_runs is not None and args.max_runs < 0:

@@ -207,6 +207,17 @@ def test_limits_out_of_range_are_refused(flag: list[str], message: str, capsys) 
     assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(f"mhar compare: error: {message}")
 
 
+def test_report_only_of_a_missing_folder_is_refused(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--report-only", str(missing)])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        f"mhar compare: error: --report-only {missing}: no such folder; pass the --out folder of an earlier"
+        " `mhar compare`"
+    )
+    assert not missing.exists()
+
+
 def test_runs_that_would_not_validate_their_final_weights_are_refused_before_training(tmp_path: Path, capsys) -> None:
     assert compare(["sum", "--seeds", "0", "--out", str(tmp_path), "--trainer.max_steps", "2"]) == 2
     assert capsys.readouterr().out.strip() == (
