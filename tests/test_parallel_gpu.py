@@ -58,8 +58,10 @@ def test_compiled_evaluation_forward_is_as_accurate_as_eager(name: str, mode: st
 
 @pytest.mark.parametrize("name", list(RESIDUALS))
 def test_compiled_training_gradients_are_as_accurate_as_eager(name: str) -> None:
-    """bf16 autocast, 4 x 512 tokens: each parameter's compiled gradient is no further from its fp32 eager gradient
-    than the bf16 eager one is (relative to that gradient's norm, with a floor of 1e-3 of the largest norm)."""
+    """bf16 autocast, 4 x 512 tokens: the compiled gradients are no further from the fp32 eager ones than the bf16
+    eager ones are, over all parameters together (x2) and parameter by parameter (x4, each relative to that
+    gradient's norm with a floor of 1e-3 of the largest norm: one parameter's bf16 error is a single draw, and
+    equally valid roundings differ by about 2x; a wrong graph is off by its whole gradient)."""
     decoder = moved_decoder(name)
     tokens = torch.randint(0, CONFIG.vocab_size, (4, 513), device="cuda")
 
@@ -73,11 +75,15 @@ def test_compiled_training_gradients_are_as_accurate_as_eager(name: str) -> None
     exact, eager = gradients(autocast=False), gradients(autocast=True)
     compile_blocks(decoder)
     compiled = gradients(autocast=True)
+    flat = [torch.cat([g.flatten() for g in grads.values()]) for grads in (exact, eager, compiled)]
+    eager_error, error = (relative_error(grads, flat[0]) for grads in flat[1:])
+    assert error <= 2 * eager_error + 1e-3, f"compiled gradients off by {error:.3g}, eager bf16 {eager_error:.3g}"
     floor = 1e-3 * max(g.norm() for g in exact.values())
-    for param, reference in exact.items():
-        scale = torch.maximum(reference.norm(), floor)
-        eager_error = float((eager[param] - reference).norm() / scale)
-        error = float((compiled[param] - reference).norm() / scale)
-        assert (
-            error <= 2 * eager_error + 1e-3
-        ), f"{param}: compiled gradient off by {error:.3g}, eager bf16 {eager_error:.3g}"
+    off = []
+    for param, exact_grad in exact.items():
+        scale = torch.maximum(exact_grad.norm(), floor)
+        eager_error = float((eager[param] - exact_grad).norm() / scale)
+        error = float((compiled[param] - exact_grad).norm() / scale)
+        if error > 4 * eager_error + 1e-3:
+            off.append(f"{param} {error:.3g} (eager bf16 {eager_error:.3g})")
+    assert not off, "compiled gradients off: " + ", ".join(off)
