@@ -18,7 +18,7 @@ class DepthAttentionLogger(ProbeCallback):
       `depth_attention/head_<h>`, one per head: drawing them at every probe would cost more than the probe);
     - scalars per site `depth_entropy/<site>` (nats, mean over heads), `depth_emb_weight/<site>` (where the
       embedding is a source) and `depth_recent_weight/<site>` (head-averaged weight on the embedding / on the
-      site's latest source);
+      site's latest source; for weights that are distributions over depth);
     - every scalar the strategy records per site, as `<name>/<site>` scalars and a `<name>/all` histogram
       (delta-MHAR's `delta_gate`, hyper-connections' write weights);
 

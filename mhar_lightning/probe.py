@@ -128,8 +128,11 @@ class DepthMaps:
             return None
         return self.mean_weights[:, self.source_labels.index("emb")]
 
-    def recent_weight(self) -> np.ndarray:
-        """[sites]: head-averaged weight on each site's most recent source (the last one it can see)."""
+    def recent_weight(self) -> np.ndarray | None:
+        """[sites]: head-averaged weight on each site's most recent source (the last one it can see); None for
+        weights that are not distributions over depth (parallel streams have no most recent one)."""
+        if not self.distributions:
+            return None
         mean = self.mean_weights
         last = np.array([np.flatnonzero(~np.isnan(row))[-1] for row in mean])
         return mean[np.arange(len(mean)), last]

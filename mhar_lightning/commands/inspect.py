@@ -86,10 +86,9 @@ def scalar_columns(scalars: dict[str, np.ndarray]) -> dict[str, list[np.ndarray]
 def summary_table(maps: DepthMaps) -> Table:
     """One row per routing site: concentration, embedding/recent weight, top source, head disagreement (with several
     heads), and every scalar the strategy records (a gate; write weights, one per stream, in one column)."""
-    columns = {"entropy": maps.entropy(), "emb": maps.embedding_weight(), "recent": maps.recent_weight()}
-    if maps.heads > 1:
-        columns.update({"JS": maps.head_js(), "JS q": maps.query_head_js()})
-    columns = {name: values for name, values in columns.items() if values is not None}
+    depth = {"entropy": maps.entropy(), "emb": maps.embedding_weight(), "recent": maps.recent_weight()}
+    heads = {"JS": maps.head_js(), "JS q": maps.query_head_js()} if maps.heads > 1 else {}
+    depth, heads = ({name: v for name, v in group.items() if v is not None} for group in (depth, heads))
     caption = " · ".join(
         note
         for name, note in (
@@ -97,25 +96,21 @@ def summary_table(maps: DepthMaps) -> Table:
             ("recent", "emb / recent: head-mean weight on the embedding / the latest source"),
             ("JS", "JS / JS q: mean pairwise JS divergence (bits) between heads, captured / from the trained queries"),
         )
-        if name in columns
+        if name in depth or name in heads
     )
     extra = scalar_columns(maps.scalars)
     table = Table(caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("site", no_wrap=True)
-    for name in columns:
+    for name in depth:
         table.add_column(name, justify="right", no_wrap=True)
-        if name == "recent":
-            table.add_column("top source")
-    for name in extra:
+    table.add_column("top source")
+    for name in [*heads, *extra]:
         table.add_column(name, justify="right", no_wrap=True)
     mean = maps.mean_weights
     for s, label in enumerate(maps.site_labels):
         top = int(np.nanargmax(mean[s]))
-        cells = [label]
-        for name, values in columns.items():
-            cells.append(f"{values[s]:.3f}")
-            if name == "recent":
-                cells.append(f"{maps.source_labels[top]} ({mean[s, top]:.2f})")
+        cells = [label, *(f"{v[s]:.3f}" for v in depth.values()), f"{maps.source_labels[top]} ({mean[s, top]:.2f})"]
+        cells += [f"{v[s]:.3f}" for v in heads.values()]
         for members in extra.values():
             cells.append(" ".join("" if np.isnan(v[s]) else f"{v[s]:.3g}" for v in members).strip())
         table.add_row(*cells)

@@ -148,7 +148,7 @@ def test_probe_shows_read_weights_over_streams_and_write_weights() -> None:
     assert maps.scalars["hc_write_2"][:-1].tolist() == [1.0] * TINY.n_sublayers  # B = 1; the final read writes none
     assert maps.scalars["hc_mix_self"][0] == 1.0 and maps.scalars["hc_mix_cross"][0] == 0.0  # A_r = I
     assert "sums to 1" not in caption(maps, 6.0) and "any sign" in caption(maps, 6.0)  # read weights are not a softmax
-    assert maps.entropy() is None  # nor has their entropy a meaning
+    assert maps.entropy() is None and maps.recent_weight() is None  # nor have their entropy or a latest stream
 
 
 @pytest.fixture(scope="module")
@@ -191,5 +191,5 @@ def test_inspect_shows_streams_and_write_weights(runs: tuple[Path, Path], tmp_pa
     printed = capsys.readouterr().out
     for label in ("attn 0", "final", "stream", "hc_write", "hc_mix_cross"):
         assert label in printed
-    assert "entropy" not in printed
+    assert "entropy" not in printed and "recent" not in printed and "top source" in printed
     assert (tmp_path / "maps.png").stat().st_size > 0
