@@ -33,6 +33,7 @@ from mhar_lightning.errors import ConfigError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.recipes import recipe_chain
+from mhar_lightning.residual import RESIDUALS
 from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
@@ -94,9 +95,12 @@ class MharCLI(LightningCLI):
             check_class_paths(args)
             try:
                 self.config = parser.parse_args(with_recipe_bases(args))
-            except (ImportError, AttributeError) as error:
+            except (ImportError, AttributeError, ValueError) as error:
                 if not failed_class_path_import(error):
                     raise
+                undotted = re.fullmatch(r"Expected a dot import path string: (\S+)", str(error))
+                if undotted:  # a recipe's `class_path: mhar`
+                    raise ConfigError(f"class_path {undotted.group(1)}: {undotted_class_path_fix(undotted.group(1))}")
                 raise ConfigError(
                     f"a class_path in the config cannot be imported ({error}): check its spelling, install the package"
                     " that provides it or add its directory to PYTHONPATH"
@@ -326,8 +330,8 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
 
 
 def check_class_paths(args: list[str]) -> None:
-    """Refuse a class that cannot be imported, named by a `--<key>.class_path` flag or by a `class_path` in a flag's
-    JSON or YAML value (jsonargparse crashes on both)."""
+    """Refuse a class that cannot be imported, or a strategy's name given as its class, named by a
+    `--<key>.class_path` flag or by a `class_path` in a flag's JSON or YAML value (jsonargparse crashes on both)."""
     for flag, value in zip(args, [*args[1:], ""]):
         flag, eq, inline = flag.partition("=")
         value = inline if eq else value
@@ -342,8 +346,24 @@ def check_class_paths(args: list[str]) -> None:
             continue
         for given, path in named:
             module, _, name = path.rpartition(".")
+            # A short name elsewhere may be one of Lightning's (`EarlyStopping`), which jsonargparse resolves.
+            if not module and (path in RESIDUALS or given.startswith("--model.residual")):
+                raise ConfigError(f"{given}: {undotted_class_path_fix(path)}")
             if module and not importable(module, name):
                 raise ConfigError(f"{given}: no class {name} in an importable module {module}; check the spelling")
+
+
+def undotted_class_path_fix(path: str) -> str:
+    """What to write instead of a `class_path` without a module: the class of a registered strategy name."""
+    if path in RESIDUALS:
+        cls = RESIDUALS[path]
+        return (
+            f"a class_path names a class with its module: class_path: {cls.__module__}.{cls.__qualname__} "
+            f"(or residual: {path}, without arguments)"
+        )
+    close = difflib.get_close_matches(path, list(RESIDUALS), n=1)
+    hint = f" (a strategy name goes alone: residual: {close[0]})" if close else ""
+    return f"a class_path names a class with its module, e.g. mhar_lightning.residual.MHAR{hint}"
 
 
 def class_paths(value: object) -> Iterator[str]:

@@ -51,6 +51,12 @@ def test_validation_every_n_steps_spans_epochs_and_resume_across_them_is_exact(t
     [
         (["--model.residual", '{"class_path": "my.mod.Nope"}'],
          "--model.residual class_path my.mod.Nope: no class Nope in an importable module my.mod; check the spelling"),
+        (["--model.residual", '{"class_path": "mhar"}'],
+         "--model.residual class_path mhar: a class_path names a class with its module: class_path:"
+         " mhar_lightning.residual.routed.MHAR (or residual: mhar, without arguments)"),
+        (["--model.residual", '{"class_path": "mhra"}'],
+         "--model.residual class_path mhra: a class_path names a class with its module, e.g."
+         " mhar_lightning.residual.MHAR (a strategy name goes alone: residual: mhar)"),
         (["--trainer.callbacks", '[{"class_path": "my.mod.Nope"}]'],
          "--trainer.callbacks class_path my.mod.Nope: no class Nope in an importable module my.mod; check the"
          " spelling"),
@@ -70,6 +76,18 @@ def test_a_bad_flag_is_one_line(tmp_path: Path, capsys, extra: list[str], line: 
     assert (code, err.strip().splitlines()[-1]) == (2, f"mhar: error: {line}")
     assert "Traceback" not in err and "usage:" not in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_strategy_name_as_a_recipes_class_path_is_one_line_naming_its_class(tmp_path: Path, capsys) -> None:
+    recipe = tmp_path / "named.yaml"
+    recipe.write_text("model:\n  residual:\n    class_path: hyper-connections\n")
+    code, _, err = run([*fast_demo_args(tmp_path, 1), "--config", str(recipe)], capsys)
+    assert (code, err.strip().splitlines()[-1]) == (
+        2,
+        "mhar: error: class_path hyper-connections: a class_path names a class with its module: class_path:"
+        " mhar_lightning.residual.hyper.HyperConnections (or residual: hyper-connections, without arguments)",
+    )
+    assert "Traceback" not in err
 
 
 def test_a_typo_in_a_config_key_is_one_line_naming_the_closest_key(tmp_path: Path, capsys) -> None:
