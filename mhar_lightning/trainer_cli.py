@@ -354,7 +354,8 @@ def check_class_paths(args: list[str]) -> None:
 
 
 def undotted_class_path_fix(path: str) -> str:
-    """What to write instead of a `class_path` without a module: the class of a registered strategy name."""
+    """What to write instead of a `class_path` without a module: the class of a registered strategy name, or the
+    closest strategy name; the bare rule otherwise (the name may be meant for any class-typed setting)."""
     if path in RESIDUALS:
         cls = RESIDUALS[path]
         return (
@@ -362,8 +363,12 @@ def undotted_class_path_fix(path: str) -> str:
             f"(or residual: {path}, without arguments)"
         )
     close = difflib.get_close_matches(path, list(RESIDUALS), n=1)
-    hint = f" (a strategy name goes alone: residual: {close[0]})" if close else ""
-    return f"a class_path names a class with its module, e.g. mhar_lightning.residual.MHAR{hint}"
+    if close:
+        return (
+            "a class_path names a class with its module, e.g. mhar_lightning.residual.MHAR (a strategy name goes"
+            f" alone: residual: {close[0]})"
+        )
+    return "a class_path names a class with its module: package.module.Class"
 
 
 def class_paths(value: object) -> Iterator[str]:
