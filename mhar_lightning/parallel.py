@@ -135,14 +135,28 @@ def compile_blocks(decoder: Decoder, options: Mapping[str, Any] | None = None) -
     block has its own sublayer indices, so each block gets its own graph, for training and again for no-grad
     evaluation, with room for a shape change in each: the recompile limits are raised by `GRAPHS_PER_BLOCK` per
     block, else the blocks would fall back to eager once the limit is hit (at the first validation, say). Raised
-    by, not to: graphs of decoders compiled earlier in the process keep counting against the limits.
+    by, not to: graphs of decoders compiled earlier in the process keep counting against the limits. A strategy's
+    `no_grad_inductor_options` are added to `options` for its no-grad graphs.
     """
     options = inductor_options(options)
     graphs = GRAPHS_PER_BLOCK * len(decoder.blocks)
     torch._dynamo.config.recompile_limit += graphs
     torch._dynamo.config.accumulated_recompile_limit += graphs
     for block in decoder.blocks:
-        block.compile(options=options)
+        no_grad = inductor_options({**options, **block.residual.no_grad_inductor_options})
+        if no_grad == options:
+            block.compile(options=options)
+        else:
+            block.compile(backend=functools.partial(inductor_by_grad_mode, options=options, no_grad=no_grad))
+
+
+def inductor_by_grad_mode(graph: torch.fx.GraphModule, example_inputs: list, *, options: dict, no_grad: dict):
+    """Inductor as a `torch.compile` backend, with `options` for graphs traced with gradients on (training) and
+    `no_grad` for the others. Dynamo calls its backend under the traced frame's grad mode, which is also how
+    AOTAutograd decides whether a graph gets a backward."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph, example_inputs, config_patches=options if torch.is_grad_enabled() else no_grad)
 
 
 @contextlib.contextmanager

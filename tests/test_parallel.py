@@ -181,6 +181,35 @@ def test_compiled_blocks_and_backward_get_the_options(monkeypatch, options) -> N
     torch._dynamo.reset()  # no later test may reuse a graph compiled by the recorders
 
 
+@pytest.mark.parametrize("residual", ["sum", "hyper-connections"])
+def test_no_grad_graphs_add_the_strategys_inductor_options(monkeypatch, residual) -> None:
+    """Training graphs get the kit's options; no-grad and inference-mode graphs add the strategy's
+    `no_grad_inductor_options` (hyper-connections' evaluation limits fusion; `sum` asks for nothing). Dynamo is
+    real; Inductor is a recorder that runs each graph as traced."""
+    seen = []
+
+    def compiler(graph, inputs, config_patches=None, **kwargs):
+        seen.append((torch.is_grad_enabled(), config_patches))
+        return graph.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", compiler)
+    torch._dynamo.reset()
+    model = LanguageModel(seq_len=16, residual=residual, model_overrides={"n_layers": 1})
+    model.configure_model()
+    compile_blocks(model.decoder)
+    batch = torch.randint(0, 256, (2, 17))
+    model.loss(batch).backward()
+    with torch.no_grad():
+        model.loss(batch)
+    with torch.inference_mode():
+        model.loss(batch)
+    extra = model.decoder.blocks[0].residual.no_grad_inductor_options
+    assert bool(extra) == (residual == "hyper-connections")
+    assert [grad for grad, _ in seen] == [True, False, False]
+    assert [patches for _, patches in seen] == [INDUCTOR_OPTIONS] + [{**INDUCTOR_OPTIONS, **extra}] * 2
+    torch._dynamo.reset()
+
+
 def test_compiled_blocks_keep_their_graphs_through_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each block needs a graph for training and another for no-grad evaluation: `compile_blocks` leaves room for
     both, so a validation between training steps sends no block back to eager (dynamo is told to fail instead)."""

@@ -8,6 +8,7 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from torch import Tensor, nn
@@ -71,12 +72,17 @@ class Residual(nn.Module, ABC):
     `self.capture` is set (by `capture_sites`) its reads call `record` with their weights and any scalars to log.
     `weights_are_distributions` says whether those weights are probabilities over the sources (a softmax), which
     their entropy needs; learned mixing weights of any sign are not.
+
+    `no_grad_inductor_options` are Inductor options that the compiled no-grad graphs of its blocks (validation,
+    evaluation, generation) add to the kit's, for a strategy whose evaluation meets a compiler fault; its training
+    graphs keep the kit's options.
     """
 
     sites: range
     n_sublayers: int
     capture: SiteCapture | None = None
     weights_are_distributions: bool = True
+    no_grad_inductor_options: Mapping[str, Any] = MappingProxyType({})
 
     def spawn(self, config: ModelConfig, sites: range) -> "Residual":
         """A fresh router for routing sites `sites` (sublayer indices; `config.n_sublayers` is the final read)."""
