@@ -73,9 +73,8 @@ class Residual(nn.Module, ABC):
     `weights_are_distributions` says whether those weights are probabilities over the sources (a softmax), which
     their entropy needs; learned mixing weights of any sign are not.
 
-    `no_grad_inductor_options` are Inductor options that the compiled no-grad graphs of its blocks (validation,
-    evaluation, generation) add to the kit's, for a strategy whose evaluation meets a compiler fault; its training
-    graphs keep the kit's options.
+    `no_grad_inductor_options` are Inductor options that the compiled no-grad graphs of its blocks (validation) add
+    to the kit's, for a strategy whose evaluation meets a compiler fault; its training graphs keep the kit's options.
     """
 
     sites: range
