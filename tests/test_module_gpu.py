@@ -20,6 +20,7 @@ RESIDUALS = {
     "delta-mhar": {"class_path": "mhar_lightning.residual.DeltaMHAR", "init_args": {"heads": 4, "block_size": 2}},
     "hyper-connections": {"class_path": "mhar_lightning.residual.HyperConnections", "init_args": {"rate": 4}},
 }
+COMPILED_AUTOGRAD = {"hyper-connections": False}  # as in its recipes: its captured backward compiles too slowly
 
 
 class FirstGradients(L.Callback):
@@ -71,11 +72,12 @@ def fit(tmp_path, residual, steps: int, val_every: int | None = None, **speed) -
 
 @pytest.mark.parametrize("name", list(RESIDUALS))
 def test_compiled_trainer_step_gives_eager_gradients(tmp_path, name) -> None:
-    """Every speed option a GPU recipe turns on: the first step's gradients match eager ones (bf16 autocast:
-    relative error of each parameter's gradient), and ten steps with a compiled validation between them lower the
-    loss."""
+    """Every speed option the strategy's GPU recipes turn on: the first step's gradients match eager ones (bf16
+    autocast: relative error of each parameter's gradient), and ten steps with a compiled validation between them
+    lower the loss."""
     eager = fit(tmp_path / "eager", RESIDUALS[name], steps=1)
-    fast = fit(tmp_path / "fast", RESIDUALS[name], steps=10, val_every=5, compile=True, compiled_autograd=True)
+    speed = {"compile": True, "compiled_autograd": COMPILED_AUTOGRAD.get(name, True)}
+    fast = fit(tmp_path / "fast", RESIDUALS[name], steps=10, val_every=5, **speed)
     assert eager.grads.keys() == fast.grads.keys()
     total = torch.stack([g.norm() for g in eager.grads.values()]).norm()
     for param, reference in eager.grads.items():  # zero-initialised routing parameters may have zero gradients
