@@ -6,10 +6,23 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.kernels.hyper_connections import hc_boundary, weighted, written
 from mhar_lightning.residual.base import Residual, Stream, register_residual
 
 DYNAMIC_SCALE_INIT = 0.01
+
+
+def unit_rms(x: Tensor, eps: float) -> Tensor:
+    """x / RMS(x) over the last dimension, statistics in at least fp32, in x's dtype."""
+    stats = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (stats * torch.rsqrt(stats.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def weighted_sum(weights: Tensor, streams: Stream) -> Tensor:
+    """sum_j weights[..., j] * streams[j]: `weights` is [n] (static) or [..., n] per token."""
+    out = weights[..., 0, None] * streams[0]
+    for j in range(1, len(streams)):
+        out = out + weights[..., j, None] * streams[j]
+    return out
 
 
 @register_residual("hyper-connections")
@@ -24,9 +37,9 @@ class HyperConnections(Residual):
     and the scales 0.01 at init. The final read is the mean of the streams (exact at init too).
 
     The static weights are stored as offsets from that initialisation, so every parameter starts as zeros or a
-    constant (which initialises sharded FSDP2 parameters as well as whole ones). Stream: the n streams stacked as
-    one [..., n, d] tensor; inside a block also the next sublayer's read, mix and write weights and its input,
-    computed in one step with the write before it (`kernels.hyper_connections`: fused on a GPU).
+    constant (which initialises sharded FSDP2 parameters as well as whole ones). Stream: the n streams between
+    transformer blocks; inside a block also the read, mix and write weights of the next sublayer, computed from
+    the streams it reads and used again by its write.
     """
 
     weights_are_distributions = False  # read weights of any sign, not a softmax
@@ -66,43 +79,43 @@ class HyperConnections(Residual):
         eye = torch.eye(self.rate, device=self.read_offset.device, dtype=self.read_offset.dtype)
         return eye[l % self.rate] + self.read_offset[j], eye + self.mix_offset[j], 1 + self.write_offset[j]
 
-    def weighed(self, h: Tensor, l: int, y: Tensor | None = None, mix: Tensor | None = None,
-                write: Tensor | None = None) -> Stream:  # fmt: skip
-        """The stream sublayer `l` reads: streams [..., n, d] (with `y` written into `h` first, if given), then its
-        read [..., n], mix [..., n, n] and write [..., n] weights and its input x (static: weights without `...`)."""
-        read0, mix0, write0 = self.static_weights(l)
-        if self.dynamic:
-            j = self.site(l)
-            return hc_boundary(h, y, mix, write, self.dynamic_proj[j], read0, mix0, write0, self.dynamic_scale[j],
-                               self.norm_eps)  # fmt: skip
-        if y is not None:
-            h = written(h, y, mix, write)
-        return h, read0, mix0, write0, weighted(read0, h)
+    def weights(self, streams: Stream, l: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Sublayer `l`'s read [..., n], mix [..., n, n] and write [..., n] weights for `streams` (static: no `...`)."""
+        read, mix, write = self.static_weights(l)
+        if not self.dynamic:
+            return read, mix, write
+        j = self.site(l)
+        # One matrix product for all n streams, not n products stacked: one launch, and no products written into
+        # slices of a stacked buffer.
+        normed = torch.stack([unit_rms(h, self.norm_eps) for h in streams], -2)  # [..., n, d]
+        terms = torch.tanh(normed @ self.dynamic_proj[j].to(normed.dtype))  # [..., n, n + 2]
+        scale_a, scale_b = self.dynamic_scale[j, 0], self.dynamic_scale[j, 1]
+        return read + scale_a * terms[..., 0], mix + scale_a * terms[..., 1:-1], write + scale_b * terms[..., -1]
 
     def start(self, embedding: Tensor) -> Stream:
-        return (embedding.unsqueeze(-2).expand(*embedding.shape[:-1], self.rate, embedding.shape[-1]).contiguous(),)
+        return (embedding,) * self.rate
 
     def enter(self, stream: Stream, l: int) -> Stream:
-        return self.weighed(stream[0], l)
+        return (*stream, *self.weights(stream, l))
 
     def read(self, stream: Stream, l: int) -> Tensor:
+        streams = stream[: self.rate]
         if l == self.n_sublayers:
             # A tensor of weights, not `/ rate`: compiled autograd (torch 2.11, CUDA) fails on a Python int saved by
             # this eager op outside the compiled blocks.
-            mean = torch.full((self.rate,), 1 / self.rate, device=stream[0].device, dtype=stream[0].dtype)
+            mean = torch.full((self.rate,), 1 / self.rate, device=streams[0].device, dtype=streams[0].dtype)
             if self.capture is not None:
                 self.record(l, mean[None].cpu())
-            return torch.einsum("j,...jd->...d", mean, stream[0])
-        _, read, mix, write, x = stream
+            return weighted_sum(mean, streams)
+        read, mix, write = stream[self.rate :]
         if self.capture is not None:
             self.record_site(l, read, mix, write)
-        return x
+        return weighted_sum(read, streams)
 
     def write(self, stream: Stream, l: int, y: Tensor) -> Stream:
-        h, _, mix, write, _ = stream
-        if self.site(l) == 0:  # the block's second sublayer: write, weigh and read in one step
-            return self.weighed(h, l + 1, y, mix, write)
-        return (written(h, y, mix, write),)
+        streams, (_, mix, write) = stream[: self.rate], stream[self.rate :]
+        new = tuple(write[..., k, None] * y + weighted_sum(mix[..., k], streams) for k in range(self.rate))
+        return (*new, *self.weights(new, l + 1)) if self.site(l) == 0 else new
 
     def record_site(self, l: int, read: Tensor, mix: Tensor, write: Tensor) -> None:
         """Record the read weights over the streams and, as scalars, the write weights and the mean self / cross mix."""

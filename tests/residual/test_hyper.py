@@ -74,11 +74,11 @@ class OneBlock(nn.Module):
     def f(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.sublayer(x))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        stream = self.router.enter((streams,), 0)
+    def forward(self, *streams: torch.Tensor) -> torch.Tensor:
+        stream = self.router.enter(streams, 0)
         for l in (0, 1):
             stream = self.router.write(stream, l, self.f(self.router.read(stream, l)))
-        return stream[0]
+        return torch.stack(stream, -2)
 
 
 def random_block(config: ModelConfig, rate: int = 3) -> OneBlock:
@@ -99,7 +99,7 @@ def test_router_matches_the_reference_math_with_trained_weights() -> None:
     for l in (0, 1):
         weights = (r.read_offset[l], r.mix_offset[l], r.write_offset[l], r.dynamic_proj[l], r.dynamic_scale[l])
         expected = reference_sublayer(expected, block.f, *weights, l, config.norm_eps)
-    torch.testing.assert_close(block(streams), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block(*streams.unbind(-2)), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_dynamic_weight_gradients_match_finite_differences() -> None:
@@ -109,7 +109,7 @@ def test_dynamic_weight_gradients_match_finite_differences() -> None:
     names = [name for name, _ in block.named_parameters() if name.startswith("router.")]
     assert {"router.dynamic_proj", "router.dynamic_scale"} <= set(names)
     params = tuple(block.get_parameter(name).detach().clone().requires_grad_() for name in names)
-    streams = (torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True),)
+    streams = tuple(torch.randn(1, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
         weights = dict(zip(names, inputs[: len(names)]))
