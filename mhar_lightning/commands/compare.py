@@ -124,6 +124,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="runs trained at the same time, sharing the machine (e.g. several small models on one GPU; default: 1)",
     )
     parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="times a run that fails after writing a newer last.ckpt resumes from it in this call (default: 1)",
+    )
+    parser.add_argument(
         "--report-only",
         nargs="?",
         const="",
@@ -147,6 +153,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--report-only {args.out}: no such folder; pass the --out folder of an earlier `mhar compare`")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: train at least one run at a time")
+    if args.retries < 0:
+        parser.error(f"--retries {args.retries}: pass 0 or more resumptions of a crashed run")
     if args.max_runs is not None and args.max_runs < 0:
         parser.error(f"--max-runs {args.max_runs}: pass 0 or more runs to train in this call")
     if args.time_budget is not None and args.time_budget <= 0:
@@ -191,13 +199,28 @@ def prepare_continuation(run: Run, source: Path) -> None:
         mhar([*args, "--trainer.enable_progress_bar", "false"], run.dir / LOG_FILE)
 
 
-def train_run(run: Run, continue_from: Path | None, jobs: int) -> None:
-    """Train one run to its end (resuming it if it has a `last.ckpt`) and record its result."""
+def train_run(run: Run, continue_from: Path | None, jobs: int, retries: int) -> int:
+    """Train one run to its end (resuming it if it has a `last.ckpt`) and record its result.
+
+    An attempt that fails after writing a newer `last.ckpt` made progress (a crash, not a bad setting), so it
+    resumes from that checkpoint, at most `retries` times. Returns the number of resumptions."""
     run.check_arguments()
     if run.init_from is not None:
         prepare_continuation(run, continue_from)
-    mhar(run.fit_args(), run.dir / LOG_FILE)
+    for attempt in range(retries + 1):
+        saved = checkpoint_time(run)
+        try:
+            mhar(run.fit_args(), run.dir / LOG_FILE)
+            break
+        except RuntimeError:
+            if attempt == retries or checkpoint_time(run) == saved:
+                raise
     read_run(run.dir, run.variant.name, run.seed, run.variant.describe(), shared=jobs).save(run.dir)
+    return attempt
+
+
+def checkpoint_time(run: Run) -> float | None:
+    return run.last_checkpoint.stat().st_mtime if run.last_checkpoint.is_file() else None
 
 
 def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[str]:
@@ -245,7 +268,8 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
                     label = f"{run.variant.name} seed {run.seed}" + (
                         " (resuming)" if run.last_checkpoint.is_file() else ""
                     )
-                    running[pool.submit(train_run, run, args.continue_from, jobs)] = (run, time.monotonic(), label)
+                    future = pool.submit(train_run, run, args.continue_from, jobs, args.retries)
+                    running[future] = (run, time.monotonic(), label)
                 progress.update(task, description=", ".join(label for _, _, label in running.values()))
                 if not running:
                     break
@@ -254,13 +278,17 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
                     run, began, label = running.pop(future)
                     progress.advance(task)
                     try:
-                        future.result()
+                        resumed = future.result()
                     except (ValueError, RuntimeError) as error:
                         failed.append(label)
                         console.print(f"failed {label}: {error}", markup=False, highlight=False)
                         continue
                     longest = max(longest, time.monotonic() - began)
-                    console.print(f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s")
+                    after = f" (resumed from last.ckpt after {resumed} failed attempt{'s' * (resumed > 1)})"
+                    console.print(
+                        f"finished {run.variant.name} seed {run.seed} in {time.monotonic() - began:.0f} s"
+                        + (after if resumed else "")
+                    )
         except BaseException:
             CHILDREN.kill_all()  # the other runs resume from their last.ckpt on the next call
             raise

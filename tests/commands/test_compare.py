@@ -250,16 +250,49 @@ def test_a_failed_run_leaves_the_others_to_train(tmp_path: Path, monkeypatch, ca
     _, runs = grid(args, overrides)
     trained = []
 
-    def train_run(run, continue_from, jobs) -> None:
+    def train_run(run, continue_from, jobs, retries) -> int:
         trained.append((run.variant.name, run.seed))
         if run.variant.name == "bad":
             raise RuntimeError("`mhar fit` failed (exit 1)")
+        return 0
 
     monkeypatch.setattr(compare_module, "train_run", train_run)
     failed = compare_module.train(runs, args, Console(width=200))
     assert trained == [("bad", 0), ("sum", 0), ("bad", 1), ("sum", 1)]
     assert failed == ["bad seed 0", "bad seed 1"]
     assert "failed bad seed 1: `mhar fit` failed (exit 1)" in capsys.readouterr().out
+
+
+def test_a_run_that_crashes_after_its_last_checkpoint_resumes_from_it(tmp_path: Path, monkeypatch, capsys) -> None:
+    real_mhar, calls = compare_module.mhar, []
+
+    def crash_at_exit_once(args: list[str], log: Path) -> None:
+        calls.append(args)
+        real_mhar(args, log)
+        if len(calls) == 1:  # trained to the end and saved, then died (a C++ abort at exit, say)
+            raise RuntimeError("`mhar fit` failed (exit -6)")
+
+    monkeypatch.setattr(compare_module, "mhar", crash_at_exit_once)
+    assert compare(["sum", "--recipe", str(DEMO), "--out", str(tmp_path), *FAST]) == 0
+    run = run_dir(tmp_path, "sum", 0)
+    assert "--ckpt_path" not in calls[0] and calls[1][-2:] == ["--ckpt_path", "last"]
+    assert "(resumed from last.ckpt after 1 failed attempt)" in capsys.readouterr().out
+    result = json.loads((run / "result.json").read_text())
+    assert result["steps"] == 6 == final_step(run)
+    assert result["val_loss"] == pytest.approx(scalars(run, "val/loss")[5], abs=1e-7)  # the final validation
+
+
+def test_a_run_that_fails_without_saving_is_not_retried(tmp_path: Path, monkeypatch, capsys) -> None:
+    calls = []
+
+    def fail(args: list[str], log: Path) -> None:
+        calls.append(args)
+        raise RuntimeError("`mhar fit` failed (exit 1)")
+
+    monkeypatch.setattr(compare_module, "mhar", fail)
+    assert compare(["sum", "--recipe", str(DEMO), "--out", str(tmp_path), "--retries", "3", *FAST]) == 2
+    assert len(calls) == 1
+    assert "failed sum seed 0: `mhar fit` failed (exit 1)" in capsys.readouterr().out
 
 
 def test_runs_import_the_installed_kit_not_a_folder_of_the_working_directory(tmp_path: Path, monkeypatch) -> None:
