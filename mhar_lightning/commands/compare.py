@@ -213,7 +213,7 @@ def train_run(run: Run, continue_from: Path | None, jobs: int, retries: int) -> 
             mhar(run.fit_args(), run.dir / LOG_FILE)
             break
         except RuntimeError:
-            if attempt == retries or checkpoint_time(run) == saved:
+            if attempt == retries or CHILDREN.stopped or checkpoint_time(run) == saved:
                 raise
     read_run(run.dir, run.variant.name, run.seed, run.variant.describe(), shared=jobs).save(run.dir)
     return attempt
@@ -248,6 +248,7 @@ def train(runs: list[Run], args: argparse.Namespace, console: Console) -> list[s
     ]
     running: dict[Future, tuple[Run, float, str]] = {}
     failed = []
+    CHILDREN.stopped = False
     with (
         Progress(*columns, console=console) as progress,
         CHILDREN.on_sigterm(),

@@ -196,6 +196,7 @@ class Children:
     def __init__(self) -> None:
         self._running: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
+        self.stopped = False  # set by `kill_all`: the runner is ending, so no run may be retried
 
     def run(self, cmd: list[str], out: IO[str]) -> int:
         """Run `cmd` to its end (killing it if this thread is interrupted) and return its exit status."""
@@ -215,6 +216,7 @@ class Children:
 
     def kill_all(self) -> None:
         with self._lock:
+            self.stopped = True
             for process in self._running:
                 process.kill()
 

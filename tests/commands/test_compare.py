@@ -295,6 +295,22 @@ def test_a_run_that_fails_without_saving_is_not_retried(tmp_path: Path, monkeypa
     assert "failed sum seed 0: `mhar fit` failed (exit 1)" in capsys.readouterr().out
 
 
+def test_a_run_killed_by_the_runner_is_not_retried(tmp_path: Path, monkeypatch) -> None:
+    calls = []
+
+    def killed_after_saving(args: list[str], log: Path) -> None:
+        calls.append(args)
+        checkpoint = run_dir(tmp_path, "sum", 0) / "checkpoints" / "last.ckpt"
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.write_bytes(b"")  # progress was saved, then the runner stopped (SIGTERM, Ctrl-C)
+        CHILDREN.kill_all()
+        raise RuntimeError("`mhar fit` failed (exit -9)")
+
+    monkeypatch.setattr(compare_module, "mhar", killed_after_saving)
+    assert compare(["sum", "--recipe", str(DEMO), "--out", str(tmp_path), *FAST]) == 2
+    assert len(calls) == 1
+
+
 def test_runs_import_the_installed_kit_not_a_folder_of_the_working_directory(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "mhar_lightning").mkdir()  # as in the root of a source checkout with a non-editable install
     (tmp_path / "mhar_lightning" / "__init__.py").write_text("raise ImportError('the folder, not the kit')")
