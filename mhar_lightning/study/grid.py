@@ -199,11 +199,14 @@ class Children:
         self.stopped = False  # set by `kill_all`: the runner is ending, so no run may be retried
 
     def run(self, cmd: list[str], out: IO[str]) -> int:
-        """Run `cmd` to its end (killing it if this thread is interrupted) and return its exit status."""
+        """Run `cmd` to its end (killing it if this thread is interrupted) and return its exit status; once
+        `kill_all` has run, start nothing and return -SIGKILL."""
         # PYTHONSAFEPATH: the installed kit, never a same-named folder in the working directory (a source checkout)
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         with self._lock:
+            if self.stopped:
+                return -signal.SIGKILL
+            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             self._running.add(process)
         try:
             return process.wait()

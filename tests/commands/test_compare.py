@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -307,8 +308,11 @@ def test_a_run_killed_by_the_runner_is_not_retried(tmp_path: Path, monkeypatch) 
         raise RuntimeError("`mhar fit` failed (exit -9)")
 
     monkeypatch.setattr(compare_module, "mhar", killed_after_saving)
+    monkeypatch.setattr(CHILDREN, "stopped", False)  # and back to it after the test, for the runs of later tests
     assert compare(["sum", "--recipe", str(DEMO), "--out", str(tmp_path), *FAST]) == 2
     assert len(calls) == 1
+    with (tmp_path / "late.log").open("w") as out:  # nor does anything start after the kill
+        assert CHILDREN.run([sys.executable, "-c", "pass"], out) == -signal.SIGKILL
 
 
 def test_runs_import_the_installed_kit_not_a_folder_of_the_working_directory(tmp_path: Path, monkeypatch) -> None:
