@@ -18,8 +18,11 @@ SMOOTH = 9
 def seed_band(
     runs: list[RunResult], curve: str, smooth: int = 1
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, mean, min, max) over seeds at the steps every seed logged; optionally a moving average first."""
+    """(tokens, mean, min, max) over seeds at the steps every seed logged; optionally a moving average first.
+    A continued run's validation curve starts at step 0 with its starting weights' loss."""
     per_seed = [dict(getattr(r, curve)) for r in runs]
+    if curve == "val_curve" and all(r.initial_val_loss is not None for r in runs):
+        per_seed = [{0: r.initial_val_loss, **c} for r, c in zip(runs, per_seed)]
     steps = sorted(set.intersection(*(set(c) for c in per_seed)))
     values = np.array([[c[s] for s in steps] for c in per_seed], dtype=float)
     if smooth > 1 and values.shape[1] >= smooth:
@@ -44,9 +47,10 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
             label = f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
             (line,) = ax.plot(tokens, mean, label=label, marker="." if len(tokens) < 30 else "")
             ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
-            late = tokens >= 0.25 * tokens[-1]
+            late = (tokens >= 0.25 * tokens[-1]) | (tokens == 0)
             tails.append((low[late].min(), high[late].max()))
-        if tails:  # the last three quarters decide the y-range: early losses would flatten the differences
+        if tails:  # the last three quarters (and a continued run's start) decide the y-range: early losses would
+            # flatten the differences
             bottom, top = min(low for low, _ in tails), max(high for _, high in tails)
             ax.set_ylim(bottom - 0.05 * (top - bottom + 1e-3), top + 0.1 * (top - bottom + 1e-3))
         ax.set_xlabel("tokens")
