@@ -7,12 +7,15 @@ two device synchronisations; peak memory is `torch.cuda.max_memory_allocated` ov
 first recipe of the list, in the same run.
 
     python benchmarks/throughput.py recipes/pretrain/350m-sum.yaml recipes/pretrain/350m-mhar.yaml \\
-        [--steps 30] [--warmup 10] [--bare] [--probes] [--set model.compiled_autograd=false] [--out rows.json]
+        [--steps 30] [--warmup 10] [--bare] [--probes] [--kernels 3] [--set model.compiled_autograd=false] \\
+        [--out rows.json]
 
 `--bare` also times each recipe's model in a hand-written loop (the same `LanguageModel`, data, optimizer,
 schedule, clipping, precision and compile settings, without the Trainer): the Trainer's own cost is the ratio of
 the two. `--probes` times one call of each depth-probe callback after the timed steps, as a share of the steps
-between its calls. `--set KEY=VALUE` passes `--KEY VALUE` to every run.
+between its calls. `--kernels N` profiles N more steps after the timed ones and reports the device time a step
+spends in each kind of kernel (matmuls, attention, the kit's routing kernels, the compiler's generated kernels, the
+optimizer, copies, other) and its costliest kernels. `--set KEY=VALUE` passes `--KEY VALUE` to every run.
 
 Every run has its own process. Up to `--parallel` of them compile and warm up at the same time (compilation is
 host work), then they take turns for their timed steps, so no run is timed while another uses the machine.
@@ -32,6 +35,9 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+import mhar_lightning.kernels.backward_kernels
+import mhar_lightning.kernels.forward_kernel
+import mhar_lightning.kernels.triton_merge
 from mhar_lightning.callbacks.base import ProbeCallback
 from mhar_lightning.callbacks.throughput import h200_peak
 
@@ -86,13 +92,66 @@ class Turns:
             self._lock = None
 
 
-class Window(L.Callback):
-    """Time the optimizer steps `warmup + 1 .. warmup + steps` of a Trainer run; optionally time the probes."""
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("copy", ("memcpy", "memset")),
+)
+"""Kinds of kernel by a substring of their lower-cased name, tried in order (a cuDNN attention kernel names wgmma)."""
+ROUTING_KERNELS = frozenset(
+    name
+    for module in (mhar_lightning.kernels.forward_kernel, mhar_lightning.kernels.backward_kernels,
+                   mhar_lightning.kernels.triton_merge)
+    for name in vars(module)
+    if name.endswith("_kernel")
+)  # fmt: skip
+"""The kit's Triton kernels (its kernel modules' `*_kernel` functions), which run under their Python names."""
 
-    def __init__(self, warmup: int, steps: int, turns: Turns, probes: bool) -> None:
-        self.warmup, self.steps, self.turns, self.probes = warmup, steps, turns, probes
+
+def kernel_kind(name: str) -> str:
+    """`routing` (the kit's kernels), `compiled` (Inductor's generated `triton_*` kernels), a kind of
+    `KERNEL_KINDS`, or `other`."""
+    if name in ROUTING_KERNELS:
+        return "routing"
+    low = name.lower()
+    if low.startswith("triton_"):
+        return "compiled"
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+
+
+def kernel_breakdown(kernels: list[tuple[str, int, float]], steps: int, top: int = 25) -> dict:
+    """Device time a step by kind of kernel and the `top` costliest kernels, from (name, calls, total us) per kernel
+    name over `steps` profiled steps: {"step_ms", "kinds": {kind: ms}, "top": [[name, kind, ms, calls], ...]}."""
+    kinds: dict[str, float] = {}
+    for name, _, total_us in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + total_us / 1e3 / steps
+    costliest = sorted(kernels, key=lambda k: -k[2])[:top]
+    return {
+        "step_ms": sum(kinds.values()),
+        "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1])),
+        "top": [[name, kernel_kind(name), us / 1e3 / steps, calls / steps] for name, calls, us in costliest],
+    }
+
+
+def device_kernels(profiler: torch.profiler.profile) -> list[tuple[str, int, float]]:
+    """(name, calls, total device us) of every kernel, copy and memset a CUDA profile recorded."""
+    return [
+        (e.key, e.count, e.self_device_time_total)
+        for e in profiler.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+
+
+class Window(L.Callback):
+    """Time the optimizer steps `warmup + 1 .. warmup + steps` of a Trainer run; optionally time the probes, then
+    profile the kernels of the next `kernels` steps."""
+
+    def __init__(self, warmup: int, steps: int, turns: Turns, probes: bool, kernels: int = 0) -> None:
+        self.warmup, self.steps, self.turns, self.probes, self.kernels = warmup, steps, turns, probes, kernels
         self.result: dict = {}
         self._t0 = 0.0
+        self._profiler: torch.profiler.profile | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -107,6 +166,17 @@ class Window(L.Callback):
             self.result["peak_bytes"] = torch.cuda.max_memory_allocated()
             if self.probes:
                 self.result["probe_s"] = time_probes(trainer, pl_module)
+            if self.kernels:
+                torch.cuda.synchronize()
+                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                self._profiler.start()
+            else:
+                self.turns.release()
+        elif self._profiler is not None and step == self.warmup + self.steps + self.kernels:
+            torch.cuda.synchronize()
+            self._profiler.stop()
+            self.result["kernels"] = kernel_breakdown(device_kernels(self._profiler), self.kernels)
+            self._profiler = None
             self.turns.release()
 
 
@@ -172,13 +242,14 @@ def child(spec: dict) -> dict:
     turns = Turns(spec["turns"], spec["members"], spec["index"])
     try:
         args = ["--config", spec["recipe"], *spec["args"], "--data.path", spec["corpus"]]
-        args += ["--trainer.max_steps", str(spec["warmup"] + spec["steps"]), "--trainer.default_root_dir", spec["root"]]
+        max_steps = spec["warmup"] + spec["steps"] + spec["kernels"]
+        args += ["--trainer.max_steps", str(max_steps), "--trainer.default_root_dir", spec["root"]]
         args += ["--checkpoint.save_last", "false", "--trainer.limit_val_batches", "0"]
         cli = MharCLI(args=args, run=False)
         if spec["bare"]:
             result = run_bare(cli, spec["warmup"], spec["steps"], turns)
         else:
-            window = Window(spec["warmup"], spec["steps"], turns, spec["probes"])
+            window = Window(spec["warmup"], spec["steps"], turns, spec["probes"], spec["kernels"])
             run_trainer(cli, window)
             result = window.result
         model, data = cli.model, cli.datamodule
@@ -199,6 +270,7 @@ def child(spec: dict) -> dict:
             "mfu": flops / result["seconds"] / peak if peak else None,
             "peak_gib": result["peak_bytes"] / 2**30,
             "probe_s": result.get("probe_s", {}),
+            "kernels": result.get("kernels"),
             "every_n_steps": {
                 type(c).__name__: c.every_n_steps for c in cli.trainer.callbacks if isinstance(c, ProbeCallback)
             },
@@ -229,6 +301,16 @@ def summary(rows: list[dict]) -> str:
             f"| {mfu} | {row['step_ms']:.1f} | {row['peak_gib']:.2f} | {row['peak_gib'] / first['peak_gib']:.3f} "
             f"| {probes} |"
         )
+    profiled = [row for row in rows if row.get("kernels")]
+    if profiled:
+        kinds = sorted({kind for row in profiled for kind in row["kernels"]["kinds"]})
+        lines += ["", "Device time a step by kind of kernel (ms):", ""]
+        lines += [f"| recipe | {' | '.join(kinds)} | all |", "| --- |" + " ---: |" * (len(kinds) + 1)]
+        for row in profiled:
+            times = [row["kernels"]["kinds"].get(kind, 0.0) for kind in kinds] + [row["kernels"]["step_ms"]]
+            lines.append(
+                f"| {row['recipe'].removeprefix('recipes/')} | " + " | ".join(f"{t:.2f}" for t in times) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -266,6 +348,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="optimizer steps before the timed ones")
     parser.add_argument("--bare", action="store_true", help="also time each recipe's model without the Trainer")
     parser.add_argument("--probes", action="store_true", help="time one call of each depth-probe callback")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N", help="profile N steps: device time by kernel")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--KEY VALUE for every run")
     parser.add_argument("--parallel", type=int, default=4, help="runs that compile at the same time")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -280,8 +363,8 @@ def main() -> None:
         parser.error("name at least one recipe")
     if not torch.cuda.is_available():
         parser.error("the throughput benchmark needs a CUDA GPU")
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.kernels < 0:
+        parser.error("--steps and --warmup must be >= 1, --kernels >= 0")
     overrides = flags(args.set, parser)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  lightning {L.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -292,10 +375,12 @@ def main() -> None:
             for item in args.recipes:
                 recipe, *sets = recipe_items(item)
                 spec = {"label": item, "recipe": recipe, "args": overrides + flags(sets, parser), "bare": bare}
-                specs.append(spec | {"probes": args.probes and not bare, "steps": args.steps, "warmup": args.warmup})
+                kernels = 0 if bare else args.kernels
+                spec |= {"probes": args.probes and not bare, "kernels": kernels}
+                specs.append(spec | {"steps": args.steps, "warmup": args.warmup})
         for index, spec in enumerate(specs):
             probe = MharCLI(args=["--config", spec["recipe"], *spec["args"]], run=False).datamodule
-            per_run = (args.warmup + args.steps + 8) * probe.batch_size * (probe.seq_len + 1) * 2
+            per_run = (args.warmup + args.steps + args.kernels + 8) * probe.batch_size * (probe.seq_len + 1) * 2
             key = probe.tokenizer_name
             if key not in corpora:
                 corpora[key] = str(random_corpus(tmp / f"corpus{len(corpora)}", key, per_run))

@@ -107,3 +107,51 @@ def test_summary_ratios_are_to_the_first_row_of_the_same_loop_and_preset() -> No
     assert cells[("pretrain/350m-sum.yaml", "bare")][:2] == ["170,000", "1.000"]
     assert cells[("pretrain/350m-hc.yaml", "trainer")][:2] == ["96,000", "0.600"]
     assert cells[("pretrain/350m-hc.yaml", "trainer")][4:6] == ["30.00", "1.500"]
+
+
+def test_kernels_are_sorted_into_kinds_by_name() -> None:
+    names = {
+        "_forward_kernel": "routing",
+        "_backward_stats_kernel": "routing",
+        "_backward_apply_kernel": "routing",
+        "_merge_norm_backward_kernel": "routing",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "matmul",  # noqa: E501
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memcpy DtoD (Device -> Device)": "copy",
+        "Memset (Device)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }
+    assert {name: throughput.kernel_kind(name) for name in names} == names
+
+
+def test_the_kernel_breakdown_is_device_time_a_step_by_kind() -> None:
+    kernels = [  # (name, calls, total us) over 2 steps
+        ("_forward_kernel", 48, 5_000.0),
+        ("_backward_apply_kernel", 48, 7_000.0),
+        ("triton_poi_fused_add_0", 200, 3_000.0),
+        ("nvjet_tst_128x256", 300, 150_000.0),
+        ("Memset (Device)", 10, 20.0),
+    ]
+    breakdown = throughput.kernel_breakdown(kernels, steps=2, top=2)
+    assert breakdown["kinds"] == {"matmul": 75.0, "routing": 6.0, "compiled": 1.5, "copy": 0.01}
+    assert list(breakdown["kinds"]) == ["matmul", "routing", "compiled", "copy"]  # costliest first
+    assert breakdown["step_ms"] == pytest.approx(82.51)
+    assert breakdown["top"] == [
+        ["nvjet_tst_128x256", "matmul", 75.0, 150.0],
+        ["_backward_apply_kernel", "routing", 3.5, 24.0],
+    ]
+
+
+def test_the_summary_adds_a_table_of_kernel_kinds_for_profiled_rows() -> None:
+    kernels = {"step_ms": 100.0, "kinds": {"matmul": 80.0, "routing": 20.0}, "top": []}
+    rows = [row("pretrain/350m-sum.yaml", "350m", 160_000, 20.0), row("pretrain/350m-mhar.yaml", "350m", 144_000, 21.0)]
+    assert "kind of kernel" not in throughput.summary(rows)
+    rows[1] |= {"kernels": kernels}
+    table = throughput.summary(rows).split("kind of kernel (ms):")[1].strip().splitlines()
+    assert table[0] == "| recipe | matmul | routing | all |"
+    assert table[2] == "| pretrain/350m-mhar.yaml | 80.00 | 20.00 | 100.00 |"
+    assert len(table) == 3
