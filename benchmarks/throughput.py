@@ -125,7 +125,8 @@ def kernel_breakdown(kernels: list[tuple[str, int, float]], steps: int, top: int
     name over `steps` profiled steps: {"step_ms", "kinds": {kind: ms}, "top": [[name, kind, ms, calls], ...]}."""
     kinds: dict[str, float] = {}
     for name, _, total_us in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + total_us / 1e3 / steps
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + total_us / 1e3 / steps
     costliest = sorted(kernels, key=lambda k: -k[2])[:top]
     return {
         "step_ms": sum(kinds.values()),
