@@ -119,11 +119,12 @@ class TokenThroughputMonitor(L.Callback):
 
 
 def device_peak(device: torch.device, trainer: L.Trainer) -> float | None:
-    """Dense peak FLOP/s of `device` at the trainer's compute dtype: Lightning's table, else the H200's."""
+    """Dense peak FLOP/s of `device` at the trainer's compute dtype: the H200's, which Lightning's table lacks (asked,
+    it warns on every run), else Lightning's."""
     if device.type != "cuda":
         return None
-    return get_available_flops(device, _plugin_to_compute_dtype(trainer.precision_plugin)) or h200_peak(
-        device, trainer.precision
+    return h200_peak(device, trainer.precision) or get_available_flops(
+        device, _plugin_to_compute_dtype(trainer.precision_plugin)
     )
 
 

@@ -1,12 +1,14 @@
 """TokenThroughputMonitor: token counts of [B, T + 1] batches, windows read without waiting for the device, and the
 dense H200 peak Lightning lacks."""
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from mhar_lightning.callbacks import PeakMemoryMonitor, TokenThroughputMonitor, throughput
-from mhar_lightning.callbacks.throughput import batch_rows, batch_tokens, h200_peak
+from mhar_lightning.callbacks.throughput import batch_rows, batch_tokens, device_peak, h200_peak
 
 from mhar_lightning.data import TokenDataModule
 from mhar_lightning.module import LanguageModel
@@ -77,6 +79,21 @@ def test_h200_dense_peak(monkeypatch, name, precision, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert h200_peak(torch.device("cuda", 0), precision) == peak
     assert h200_peak(torch.device("cpu"), precision) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"), [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H200", None)]
+)
+def test_the_device_peak_of_a_bf16_trainer_comes_without_warnings(monkeypatch, name, peak):
+    precision = "bf16-mixed" if peak else "32-true"  # no fp32 peak is known for the H200: Lightning's warning stays
+    trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert device_peak(torch.device("cuda", 0), trainer) == peak
+    assert [str(w.message) for w in caught if "FLOPs" in str(w.message)] == ([] if peak else [
+        "FLOPs not found for 'NVIDIA H200', chip is 'nvidia h200'"
+    ])  # fmt: skip
 
 
 def test_constructors_need_no_arguments():
