@@ -24,10 +24,10 @@ import triton
 from mhar_lightning.kernels import route_launch
 from mhar_lightning.kernels.backward_kernels import _backward_apply_kernel, _backward_stats_kernel
 from mhar_lightning.kernels.forward_kernel import _forward_kernel
+from mhar_lightning.kernels.rows import BF16
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-BF16 = 1  # rows.DTYPE_TAGS' load kind of bf16 sources
 COUNTED = ("LDL", "STL", "SHFL", "BAR", "LDG", "STG", "FFMA", "FMUL", "FADD", "MUFU")
 """Opcodes counted in each loop: spills (LDL, STL), shuffles, barriers, global memory, floating point, special."""
 
@@ -67,7 +67,7 @@ def launch_settings(kernel: str, d: int, heads: int, queries: int) -> tuple[obje
         d, heads, route_launch.ROW_ELEMS_PER_THREAD, route_launch.MIN_WARPS[kernel], False,
         route_launch.ONE_WARP_TILE[kernel],
     )  # fmt: skip
-    common = {"BH": bh, "BDH": bdh, "K0": BF16, "KR": BF16, "ALIGN": (d // heads) % 8 == 0, "Q": queries}
+    common = {"BH": bh, "BDH": bdh, "K0": BF16.value, "KR": BF16.value, "ALIGN": (d // heads) % 8 == 0, "Q": queries}
     if kernel == "forward":
         return _forward_kernel, common | {"LAZY": route_launch.lazy_rescale(warps)}, warps
     if kernel == "stats":

@@ -47,10 +47,11 @@ def loss_figure(by_variant: dict[str, list[RunResult]]) -> Figure:
             label = f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
             (line,) = ax.plot(tokens, mean, label=label, marker="." if len(tokens) < 30 else "")
             ax.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            # the last three quarters (and a continued run's start) decide the y-range: early losses would flatten
+            # the differences
             late = (tokens >= 0.25 * tokens[-1]) | (tokens == 0)
             tails.append((low[late].min(), high[late].max()))
-        if tails:  # the last three quarters (and a continued run's start) decide the y-range: early losses would
-            # flatten the differences
+        if tails:
             bottom, top = min(low for low, _ in tails), max(high for _, high in tails)
             ax.set_ylim(bottom - 0.05 * (top - bottom + 1e-3), top + 0.1 * (top - bottom + 1e-3))
         ax.set_xlabel("tokens")
