@@ -205,7 +205,9 @@ class MharCLI(LightningCLI):
         check_data(self.model, self.datamodule)
         if self.subcommand == "fit":
             check_output_dir(self.root_dir, "trainer.default_root_dir")
-            check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", checkpoint_bytes(self.model.model_config))
+            saves = config.checkpoint.save_top_k != 0 or config.checkpoint.save_last
+            needed = checkpoint_bytes(self.model.model_config) if saves else 0
+            check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", needed)
             remove_stale_temporaries(config.checkpoint.dirpath)
 
     @property

@@ -79,6 +79,15 @@ def test_too_little_disk_space_for_a_checkpoint_is_refused_at_start(tmp_path: Pa
     )
 
 
+def test_a_run_that_saves_no_checkpoint_needs_no_room_for_one(tmp_path: Path, capsys, monkeypatch) -> None:
+    usage = mhar_lightning.preflight.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(mhar_lightning.preflight.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    args = [*fit_args(tmp_path), "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false"]
+    code, _, err = run(args, capsys)
+    assert code == 0, err
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(
     tmp_path: Path, capsys, monkeypatch, demo_run: Path
 ) -> None:
