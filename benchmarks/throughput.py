@@ -39,7 +39,7 @@ import mhar_lightning.kernels.backward_kernels
 import mhar_lightning.kernels.forward_kernel
 import mhar_lightning.kernels.triton_merge
 from mhar_lightning.callbacks.base import ProbeCallback
-from mhar_lightning.callbacks.throughput import h200_peak
+from mhar_lightning.callbacks.throughput import device_peak
 
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
 from mhar_lightning.data.tokenizer import load_tokenizer
@@ -256,7 +256,7 @@ def child(spec: dict) -> dict:
         model, data = cli.model, cli.datamodule
         tokens = spec["steps"] * data.batch_size * data.seq_len
         flops = model.model_config.flops_per_token(data.seq_len) * tokens
-        peak = h200_peak(torch.device("cuda"), str(cli.trainer.precision))
+        peak = device_peak(torch.device("cuda"), cli.trainer, model)
         return {
             "recipe": spec["label"],
             "loop": "bare" if spec["bare"] else "trainer",

@@ -57,7 +57,7 @@ class TokenThroughputMonitor(L.Callback):
 
     FLOPs come from the LightningModule's `flops_per_batch` (`LanguageModel`: `ModelConfig.flops_per_token(T) * B * T`,
     `6 * matmul parameters + 12 * n_layers * d_model * T`; depth routing is not counted). MFU divides by the dense peak
-    of the device for the trainer's precision: Lightning's table, or the H200's dense bf16 peak (989.4e12 SXM,
+    of the device for the compute dtype (FSDP2's `param_dtype` when sharded, else the trainer's precision): Lightning's table, or the H200's dense bf16 peak (989.4e12 SXM,
     835.5e12 NVL), which Lightning's table lacks; `peak_flops` overrides it for any device.
 
     Args:
@@ -80,7 +80,7 @@ class TokenThroughputMonitor(L.Callback):
         self._samples = self._tokens = 0
         self._flops = 0.0
         self._marks = [(trainer.global_step, self._clock.mark(), 0, 0, 0.0)]
-        self._peak = self.peak_flops or device_peak(trainer.strategy.root_device, trainer)
+        self._peak = self.peak_flops or device_peak(trainer.strategy.root_device, trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -118,19 +118,18 @@ class TokenThroughputMonitor(L.Callback):
         log_scalars(trainer, metrics, end[0])
 
 
-def device_peak(device: torch.device, trainer: L.Trainer) -> float | None:
-    """Dense peak FLOP/s of `device` at the trainer's compute dtype: the H200's, which Lightning's table lacks (asked,
-    it warns on every run), else Lightning's."""
+def device_peak(device: torch.device, trainer: L.Trainer, pl_module: L.LightningModule | None = None) -> float | None:
+    """Dense peak FLOP/s of `device` at the run's compute dtype (the module's own under FSDP2's mixed precision,
+    else the trainer's): the H200's, which Lightning's table lacks (asked, it warns on every run), else Lightning's."""
     if device.type != "cuda":
         return None
-    return h200_peak(device, trainer.precision) or get_available_flops(
-        device, _plugin_to_compute_dtype(trainer.precision_plugin)
-    )
+    dtype = getattr(pl_module, "compute_dtype", None) or _plugin_to_compute_dtype(trainer.precision_plugin)
+    return h200_peak(device, dtype) or get_available_flops(device, dtype)
 
 
-def h200_peak(device: torch.device, precision: str) -> float | None:
-    """Dense bf16/fp16 peak of an H200, or None for other devices and precisions."""
-    if device.type != "cuda" or not any(p in str(precision) for p in ("bf16", "16-")):
+def h200_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Dense bf16/fp16 peak of an H200, or None for other devices and dtypes."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     name = torch.cuda.get_device_name(device).lower()
     if "h200" not in name:

@@ -158,6 +158,11 @@ class LanguageModel(L.LightningModule):
         self.flops_per_batch = 0
         self._step_loss: Tensor | None = None
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2's mixed precision computes in when sharded; None where the Trainer's precision decides."""
+        return self.parallel_config.param_dtype if self._device_mesh is not None else None
+
     def configure_model(self) -> None:
         """Build the decoder and `parallelize` it: sharded with FSDP2 under `ModelParallelStrategy`, whole otherwise.
 

@@ -67,33 +67,53 @@ def test_windows_of_steps_are_logged_one_window_late(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("name", "precision", "peak"),
+    ("name", "dtype", "peak"),
     [
-        ("NVIDIA H200", "bf16-mixed", 989.4e12),
-        ("NVIDIA H200 NVL", "bf16-true", 835.5e12),
-        ("NVIDIA H200", "32-true", None),
-        ("NVIDIA H100 80GB HBM3", "bf16-mixed", None),  # Lightning's own table covers the H100
+        ("NVIDIA H200", torch.bfloat16, 989.4e12),
+        ("NVIDIA H200 NVL", torch.float16, 835.5e12),
+        ("NVIDIA H200", torch.float32, None),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, None),  # Lightning's own table covers the H100
     ],
 )
-def test_h200_dense_peak(monkeypatch, name, precision, peak):
+def test_h200_dense_peak(monkeypatch, name, dtype, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert h200_peak(torch.device("cuda", 0), precision) == peak
-    assert h200_peak(torch.device("cpu"), precision) is None
+    assert h200_peak(torch.device("cuda", 0), dtype) == peak
+    assert h200_peak(torch.device("cpu"), dtype) is None
+
+
+class ShardedModule(L.LightningModule):
+    """Stands in for `LanguageModel` under FSDP2: fp32 master weights (precision 32-true), bf16 compute."""
+
+    compute_dtype = torch.bfloat16
 
 
 @pytest.mark.parametrize(
-    ("name", "peak"), [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H200", None)]
+    ("name", "precision", "module", "peak"),
+    [
+        ("NVIDIA H200", "bf16-mixed", None, 989.4e12),
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", None, 989.4e12),
+        ("NVIDIA H200", "32-true", ShardedModule(), 989.4e12),
+        ("NVIDIA H200", "32-true", None, None),
+    ],
 )
-def test_the_device_peak_of_a_bf16_trainer_comes_without_warnings(monkeypatch, name, peak):
-    precision = "bf16-mixed" if peak else "32-true"  # no fp32 peak is known for the H200: Lightning's warning stays
+def test_the_device_peak_comes_without_warnings_where_the_compute_dtype_has_one(
+    monkeypatch, name, precision, module, peak
+):
     trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert device_peak(torch.device("cuda", 0), trainer) == peak
+        assert device_peak(torch.device("cuda", 0), trainer, module) == peak
     assert [str(w.message) for w in caught if "FLOPs" in str(w.message)] == ([] if peak else [
         "FLOPs not found for 'NVIDIA H200', chip is 'nvidia h200'"
     ])  # fmt: skip
+
+
+def test_a_sharded_language_model_computes_in_its_param_dtype():
+    model = LanguageModel(param_dtype="bfloat16")
+    assert model.compute_dtype is None  # whole: the Trainer's precision decides
+    model._device_mesh = object()
+    assert model.compute_dtype is torch.bfloat16
 
 
 def test_constructors_need_no_arguments():
