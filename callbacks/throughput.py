@@ -57,8 +57,9 @@ class TokenThroughputMonitor(L.Callback):
 
     FLOPs come from the LightningModule's `flops_per_batch` (`LanguageModel`: `ModelConfig.flops_per_token(T) * B * T`,
     `6 * matmul parameters + 12 * n_layers * d_model * T`; depth routing is not counted). MFU divides by the dense peak
-    of the device for the compute dtype (FSDP2's `param_dtype` when sharded, else the trainer's precision): Lightning's table, or the H200's dense bf16 peak (989.4e12 SXM,
-    835.5e12 NVL), which Lightning's table lacks; `peak_flops` overrides it for any device.
+    of the device for the compute dtype (FSDP2's `param_dtype` when sharded, else the trainer's precision):
+    Lightning's table, or the H200's dense bf16 peak (989.4e12 SXM, 835.5e12 NVL), which Lightning's table lacks;
+    `peak_flops` overrides it for any device.
 
     Args:
         window_size: optimizer steps per measured window.
