@@ -50,7 +50,8 @@ class TokenThroughputMonitor(L.Callback):
     Lightning's `ThroughputMonitor` synchronises the GPU after every step, which takes away the host's lead over
     the GPU and costs a compiled model several per cent of its speed. Here the window's ends are CUDA events on the
     training stream, and a window is read one window later, when its end event has long completed, so measuring
-    never waits for the GPU. Logged on global rank 0 at the step that ends each window, as
+    never waits for the GPU. The run's first optimizer step, which holds the compilation, is left out: the first
+    window starts after it. Logged on global rank 0 at the step that ends each window, as
     `train/device/items_per_sec` (tokens/s per device), `train/device/samples_per_sec`,
     `train/device/flops_per_sec` and `train/device/mfu`, plus `train/items_per_sec`, `train/samples_per_sec` and
     `train/flops_per_sec` over all devices when there are several.
@@ -73,6 +74,7 @@ class TokenThroughputMonitor(L.Callback):
         self.peak_flops = peak_flops
         self._clock: _Clock | None = None
         self._marks: list[tuple[int, Any, int, int, float]] = []  # (step, mark, samples, tokens, flops) at window ends
+        self._start_step = 0
         self._samples = self._tokens = 0
         self._flops = 0.0
 
@@ -80,16 +82,21 @@ class TokenThroughputMonitor(L.Callback):
         self._clock = _Clock(trainer.strategy.root_device)
         self._samples = self._tokens = 0
         self._flops = 0.0
-        self._marks = [(trainer.global_step, self._clock.mark(), 0, 0, 0.0)]
+        self._start_step = trainer.global_step
+        self._marks = []
         self._peak = self.peak_flops or device_peak(trainer.strategy.root_device, trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        step = trainer.global_step
+        if not self._marks:  # the run's first optimizer step (it holds the compilation) is not measured
+            if step > self._start_step:
+                self._marks = [(step, self._clock.mark(), 0, 0, 0.0)]
+            return
         self._samples += batch_rows(batch)
         self._tokens += batch_tokens(batch)
         self._flops += float(getattr(pl_module, "flops_per_batch", 0) or 0)
-        step = trainer.global_step
         if step == self._marks[-1][0] or step % self.window_size:
             return
         self._marks.append((step, self._clock.mark(), self._samples, self._tokens, self._flops))
