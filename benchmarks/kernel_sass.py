@@ -38,10 +38,11 @@ _FLOATS, _WIDE = {"eps"}, {"G1R"}
 
 
 def scalars(d: int, heads: int, sources: int, tokens: int, seq_len: int) -> dict[str, int]:
-    """The integer arguments of a routing call over `sources` [tokens / seq_len, seq_len, d] rows (the second query's
-    gradient a separate buffer, so at no multiple of 16 rows or elements from the first)."""
+    """The integer arguments of a routing call over `sources` [tokens / seq_len, seq_len, d] rows. The second query's
+    gradient is a separate allocation: the allocator aligns blocks to 512 bytes, so it starts some rows (here 17) and
+    a multiple of 256 elements from the first."""
     return {"S": sources, "S0": sources, "S1": sources - 1, "M": tokens, "M1": seq_len, "D": d, "H": heads,
-            "DH": d // heads, "G1R": 17, "G1E": 3}  # fmt: skip
+            "DH": d // heads, "G1R": 17, "G1E": 256}  # fmt: skip
 
 
 def specialise(kernel, constexprs: dict, values: dict[str, int]) -> tuple[dict[str, str], dict, dict]:
