@@ -40,7 +40,7 @@ class _Clock:
     def seconds(self, start: Any, end: Any) -> float:
         if not self.cuda:
             return end - start
-        end.synchronize()  # recorded a whole window ago: long finished, so this does not stall the host
+        end.synchronize()  # recorded a window ago, long finished (or at the end of training): no stall
         return start.elapsed_time(end) * 1e-3
 
 
@@ -51,10 +51,10 @@ class TokenThroughputMonitor(L.Callback):
     the GPU and costs a compiled model several per cent of its speed. Here the window's ends are CUDA events on the
     training stream, and a window is read one window later, when its end event has long completed, so measuring
     never waits for the GPU. The run's first optimizer step, which holds the compilation, is left out: the first
-    window starts after it. Logged on global rank 0 at the step that ends each window, as
-    `train/device/items_per_sec` (tokens/s per device), `train/device/samples_per_sec`,
-    `train/device/flops_per_sec` and `train/device/mfu`, plus `train/items_per_sec`, `train/samples_per_sec` and
-    `train/flops_per_sec` over all devices when there are several.
+    window starts after it; the steps after the last full window are a shorter window at the end. Logged on global
+    rank 0 at the step that ends each window, as `train/device/items_per_sec` (tokens/s per device),
+    `train/device/samples_per_sec`, `train/device/flops_per_sec` and `train/device/mfu`, plus `train/items_per_sec`,
+    `train/samples_per_sec` and `train/flops_per_sec` over all devices when there are several.
 
     FLOPs come from the LightningModule's `flops_per_batch` (`LanguageModel`: `ModelConfig.flops_per_token(T) * B * T`,
     `6 * matmul parameters + 12 * n_layers * d_model * T`; depth routing is not counted). MFU divides by the dense peak
@@ -105,6 +105,10 @@ class TokenThroughputMonitor(L.Callback):
             self._marks.pop(0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._marks and trainer.global_step > self._marks[-1][0]:  # a last, shorter window
+            self._marks.append((trainer.global_step, self._clock.mark(), self._samples, self._tokens, self._flops))
+            if len(self._marks) > 2:
+                self._log(trainer, *self._marks[-3:-1])
         if len(self._marks) > 1:
             self._log(trainer, *self._marks[-2:])
 

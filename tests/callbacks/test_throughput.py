@@ -38,9 +38,9 @@ class MetricsLogger(Logger):
 @pytest.mark.usefixtures("default_corpus")
 def test_windows_of_steps_are_logged_one_window_late(tmp_path, monkeypatch):
     """Seven steps in windows of two: each window's tokens, samples and FLOPs over its clock time, logged at the
-    step that ends it once the next window has ended (the last one at the end of training). The first step, which
-    compiles, is left out, so the first window holds only step 2. The clock ticks one second per mark, so each
-    window lasts exactly one second."""
+    step that ends it once the next window has ended (the last ones at the end of training). The first step, which
+    compiles, is left out, so the first window holds only step 2, and the steps after the last full window make a
+    window of their own (step 7). The clock ticks one second per mark, so each window lasts exactly one second."""
     ticks = iter(range(100))
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: float(next(ticks)))
     logger = MetricsLogger()
@@ -58,9 +58,9 @@ def test_windows_of_steps_are_logged_one_window_late(tmp_path, monkeypatch):
     )
     trainer.fit(model, datamodule=TokenDataModule(tokenizer="byte", seq_len=16, batch_size=4, val_samples=8))
     windows = [(step, m) for step, m in logger.logged if "train/device/items_per_sec" in m]
-    assert [step for step, _ in windows] == [2, 4, 6]
+    assert [step for step, _ in windows] == [2, 4, 6, 7]
     flops = model.model_config.flops_per_token(16) * 4 * 16
-    for (step, metrics), steps in zip(windows, (1, 2, 2), strict=True):
+    for (step, metrics), steps in zip(windows, (1, 2, 2, 1), strict=True):
         assert metrics["train/device/items_per_sec"] == steps * 4 * 16, step
         assert metrics["train/device/samples_per_sec"] == steps * 4
         assert metrics["train/device/flops_per_sec"] == steps * flops
