@@ -99,18 +99,21 @@ class TokenThroughputMonitor(L.Callback):
         self._flops += float(getattr(pl_module, "flops_per_batch", 0) or 0)
         if step == self._marks[-1][0] or step % self.window_size:
             return
-        self._marks.append((step, self._clock.mark(), self._samples, self._tokens, self._flops))
+        self._add_mark(step)
         if len(self._marks) > 2:  # the window before this one has surely finished on the device
             self._log(trainer, *self._marks[-3:-1])
             self._marks.pop(0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._marks and trainer.global_step > self._marks[-1][0]:  # a last, shorter window
-            self._marks.append((trainer.global_step, self._clock.mark(), self._samples, self._tokens, self._flops))
+            self._add_mark(trainer.global_step)
             if len(self._marks) > 2:
                 self._log(trainer, *self._marks[-3:-1])
         if len(self._marks) > 1:
             self._log(trainer, *self._marks[-2:])
+
+    def _add_mark(self, step: int) -> None:
+        self._marks.append((step, self._clock.mark(), self._samples, self._tokens, self._flops))
 
     def _log(self, trainer: L.Trainer, start: tuple, end: tuple) -> None:
         seconds = self._clock.seconds(start[1], end[1])
