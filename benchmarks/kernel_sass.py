@@ -96,15 +96,23 @@ def opcode(text: str) -> str:
 
 
 def loops(listing: list[tuple[int, str]]) -> list[dict]:
-    """Every backward branch's loop: its first and last address, instructions and counts of `COUNTED` opcodes,
-    longest first."""
+    """Every backward branch's loop: its first and last address, instructions, the instructions outside the bodies
+    that a predicated forward branch inside the loop can skip ("main": a pass that takes no such branch), and counts
+    of `COUNTED` opcodes, longest first."""
     found = []
     for address, text in listing:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
-            ops = collections.Counter(opcode(t) for a, t in listing if start <= a <= address)
-            found.append({"start": start, "end": address, "instructions": ops.total()} | {k: ops[k] for k in COUNTED})
+            body = [(a, t) for a, t in listing if start <= a <= address]
+            skippable = set()
+            for a, t in body:
+                jump = re.search(r"^@!?U?P\d+ BRA.*?0x([0-9a-f]+)", t)
+                if jump and a < int(jump.group(1), 16) <= address:
+                    skippable |= {b for b, _ in body if a < b < int(jump.group(1), 16)}
+            ops = collections.Counter(opcode(t) for _, t in body)
+            loop = {"start": start, "end": address, "instructions": ops.total(), "main": len(body) - len(skippable)}
+            found.append(loop | {k: ops[k] for k in COUNTED})
     return sorted(found, key=lambda loop: -loop["instructions"])
 
 
@@ -129,16 +137,17 @@ def analyse(kernel: str, d: int, heads: int, queries: int, arch: int, workdir: P
 
 
 def table(rows: list[dict]) -> str:
-    """A Markdown table: one row per compiled kernel, its longest loop's instructions a pass and their kinds."""
+    """A Markdown table: one row per compiled kernel, its longest loop's instructions a pass (all, and on its main
+    path) and their kinds."""
     lines = [
-        "| kernel | d | queries | warps | registers | spilled bytes | loop instructions | "
+        "| kernel | d | queries | warps | registers | spilled bytes | loop instructions | main path | "
         + " | ".join(COUNTED)
         + " |",
-        "| --- |" + " ---: |" * (6 + len(COUNTED)),
+        "| --- |" + " ---: |" * (7 + len(COUNTED)),
     ]
     for r in rows:
-        loop = r["loops"][0] if r["loops"] else dict.fromkeys(("instructions", *COUNTED), 0)
-        cells = [r["d"], r["queries"], r["warps"], r["registers"], r["stack_bytes"], loop["instructions"]]
+        loop = r["loops"][0] if r["loops"] else dict.fromkeys(("instructions", "main", *COUNTED), 0)
+        cells = [r["d"], r["queries"], r["warps"], r["registers"], r["stack_bytes"], loop["instructions"], loop["main"]]
         lines.append(f"| {r['kernel']} | " + " | ".join(str(c) for c in cells + [loop[k] for k in COUNTED]) + " |")
     return "\n".join(lines)
 

@@ -34,12 +34,29 @@ def test_loops_of_a_listing_are_its_backward_branches_with_their_opcodes() -> No
     assert kernel_sass.opcode(listing[2][1]) == "LDG"
     found = kernel_sass.loops(listing)
     assert [(loop["start"], loop["end"], loop["instructions"]) for loop in found] == [(0x20, 0x60, 5), (0x70, 0x80, 2)]
+    assert [loop["main"] for loop in found] == [5, 2]  # no forward branch inside either loop
     first = found[0]
     assert (first["LDG"], first["SHFL"], first["FADD"], first["LDL"], first["FFMA"]) == (1, 1, 1, 1, 0)
     assert found[1]["FFMA"] == 1
-    assert "| forward | 64 | 1 | 1 | 40 | 0 | 5 | 1 | 0 | 1 |" in kernel_sass.table(
+    assert "| forward | 64 | 1 | 1 | 40 | 0 | 5 | 5 | 1 | 0 | 1 |" in kernel_sass.table(
         [{"kernel": "forward", "d": 64, "queries": 1, "warps": 1, "registers": 40, "stack_bytes": 0, "loops": found}]
     )
+
+
+BRANCHY = """
+        /*0000*/                   FADD R6, R4, R5 ;
+        /*0010*/              @!P0 BRA 0x40 ;
+        /*0020*/                   FMUL R7, R7, R6 ;
+        /*0030*/                   FMUL R8, R8, R6 ;
+        /*0040*/                   FFMA R9, R6, R6, R9 ;
+        /*0050*/               @P1 BRA 0x0 ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_the_main_path_leaves_out_what_a_forward_branch_in_the_loop_skips() -> None:
+    (loop,) = kernel_sass.loops(kernel_sass.instructions(BRANCHY))
+    assert (loop["instructions"], loop["main"], loop["FMUL"]) == (6, 4, 2)
 
 
 def test_the_routing_kernels_compile_for_sm90_without_a_gpu(tmp_path: Path) -> None:
@@ -55,6 +72,7 @@ def test_the_routing_kernels_compile_for_sm90_without_a_gpu(tmp_path: Path) -> N
     forward, apply = rows["forward"]["loops"][0], rows["apply"]["loops"][0]
     assert forward["SHFL"] > 0 and forward["MUFU"] > 0  # per-head logits reduce across lanes; exp and rsqrt
     assert apply["SHFL"] == 0 and apply["STG"] > 0  # the gradient kernel only scales and adds rows, and stores them
+    assert forward["main"] < forward["instructions"]  # a pass skips the lazy rescaling of the one-warp forward
     assert "| forward | 64 | 2 |" in run.stdout
 
 
