@@ -98,7 +98,10 @@ def main() -> None:
     timeit("route_forward (launcher)", lambda: route_launch.route_forward(src, u, HEADS, 1e-6))
     timeit("route_backward (launcher)", lambda: route_launch.route_backward([go], None, lse, rms, src, u, HEADS))
     timeit("op.route (library op)", lambda: op.route(src, u, HEADS, 1e-6, [S]))
-    timeit("op.route_backward (library op)", lambda: op.route_backward([go], None, lse, rms, src, u, HEADS, [S]))
+    blocks = route_launch.du_blocks(TOKENS, S)
+    timeit(
+        "op.route_backward (library op)", lambda: op.route_backward([go], None, lse, rms, src, u, HEADS, [S], blocks)
+    )
     leaves = [*src, q, w]
     timeit("depth_route fwd+grad eager", lambda: torch.autograd.grad(depth_route(src, q, w, HEADS), leaves, go))
     routed = torch.compile(lambda *a: depth_route(list(a[:S]), a[S], a[S + 1], HEADS) * 2)

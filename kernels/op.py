@@ -15,6 +15,8 @@ pass, so the sublayers that route over identical sources share one call and one 
 and return the partial sums of their gradient:
 folding, reducing and the chain rule to the parameters stay in traced code, which Inductor fuses, so the
 ops do little per call besides launching their kernels (host time matters: about 50 calls a step).
+The backward ops take the number of partial sums (`blocks`) as an argument, so a compiled graph records it: a graph
+compiled for other launch settings misses the compiler's disk cache, and a stale one fails with a clear error.
 """
 
 import functools
@@ -29,11 +31,11 @@ _LIB = torch.library.Library("mhar", "DEF")
 _LIB.define("depth_route(Tensor[] sources, Tensor u, int heads, float eps, int[] counts) -> (Tensor[], Tensor, Tensor)")
 _LIB.define(
     "depth_route_backward(Tensor[] grad_out, Tensor? grad_lse, Tensor lse, Tensor rms, Tensor[] sources, Tensor u, "
-    "int heads, int[] counts) -> Tensor[]"
+    "int heads, int[] counts, int blocks) -> Tensor[]"
 )
 _LIB.define(
-    "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor stats, int heads) "
-    "-> (Tensor, Tensor, Tensor, Tensor)"
+    "merge_norm_backward(Tensor grad_out, Tensor mix, Tensor source, Tensor u, Tensor weight, Tensor stats, int heads, "
+    "int blocks) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -61,21 +63,41 @@ def _route_backward(
     u: Tensor,
     heads: int,
     counts: list[int],
+    blocks: int,
 ) -> list[Tensor]:
     """Gradients [d source_0, ..., d source_{S-1}] (each in its source's dtype) and du's partial sums [blocks, Q, d]."""
     grads, du_parts = route_launch.route_backward(grad_out, grad_lse, lse, rms, sources, u, heads, counts)
+    _check_blocks("depth_route_backward", du_parts.shape[0], blocks)
     grads = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, sources, strict=True)]
     return [*grads, du_parts]
 
 
-def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts):
-    rows = sources[0].shape[:-1].numel()
-    du_parts = u.new_empty((route_launch.du_blocks(rows, len(sources)), *u.shape), dtype=torch.float32)
+def _route_backward_fake(grad_out, grad_lse, lse, rms, sources, u, heads, counts, blocks):
+    du_parts = u.new_empty((blocks, *u.shape), dtype=torch.float32)
     return [v.new_empty(v.shape) for v in sources] + [du_parts]
 
 
-def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads):
-    parts = mix.new_empty((2, triton_merge.backward_blocks(stats.shape[0]), mix.shape[-1]), dtype=torch.float32)
+def _merge_norm_backward(
+    grad_out: Tensor, mix: Tensor, source: Tensor, u: Tensor, weight: Tensor, stats: Tensor, heads: int, blocks: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`triton_merge.merge_norm_backward`, its partial sums checked against the `blocks` the caller expects."""
+    *grads, parts = triton_merge.merge_norm_backward(grad_out, mix, source, u, weight, stats, heads)
+    _check_blocks("merge_norm_backward", parts.shape[1], blocks)
+    return (*grads, parts)
+
+
+def _check_blocks(name: str, made: int, expected: int) -> None:
+    """A graph compiled for other launch settings (e.g. by another version of the kit, from the compiler's disk
+    cache) expects another number of partial sums: say so instead of failing inside the graph."""
+    if made != expected:
+        raise RuntimeError(
+            f"mhar::{name}: the caller expects {expected} partial sums, the kernels write {made}; a compiled graph "
+            "from another version of mhar-lightning? Clear the compiler's cache (TORCHINDUCTOR_CACHE_DIR) and rerun"
+        )
+
+
+def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads, blocks):
+    parts = mix.new_empty((2, blocks, mix.shape[-1]), dtype=torch.float32)
     lse = mix.new_empty((*mix.shape[:-1], heads), dtype=torch.float32)
     return mix.new_empty(mix.shape), lse, source.new_empty(source.shape), parts
 
@@ -83,7 +105,7 @@ def _merge_norm_backward_fake(grad_out, mix, source, u, weight, stats, heads):
 for _name, _impl, _fake in (
     ("depth_route", _route, _route_fake),
     ("depth_route_backward", _route_backward, _route_backward_fake),
-    ("merge_norm_backward", triton_merge.merge_norm_backward, _merge_norm_backward_fake),
+    ("merge_norm_backward", _merge_norm_backward, _merge_norm_backward_fake),
 ):
     _LIB.impl(_name, _impl, "CPU")  # the Triton interpreter (TRITON_INTERPRET=1)
     _LIB.impl(_name, _impl, "CUDA")
@@ -110,7 +132,8 @@ class _Route(torch.autograd.Function):
     def backward(ctx, *grad_outputs: Tensor):  # autograd gives an unused output a zero gradient (materialize_grads)
         *grad_out, grad_lse = grad_outputs
         lse, rms, u, *sources = ctx.saved_tensors
-        *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts)
+        blocks = route_launch.du_blocks(sources[0].shape[:-1].numel(), len(sources))
+        *grads, du_parts = route_backward(grad_out, grad_lse, lse, rms, sources, u, ctx.heads, ctx.counts, blocks)
         return du_parts.sum(0), None, None, None, *grads
 
 
@@ -129,7 +152,8 @@ class _MergeNorm(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         mix, source, u, weight, stats = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dmix, dlse, dsrc, parts = merge_norm_backward_op(grad_out, mix, source, u, weight, stats, ctx.heads)
+        blocks = triton_merge.backward_blocks(stats.shape[0])
+        dmix, dlse, dsrc, parts = merge_norm_backward_op(grad_out, mix, source, u, weight, stats, ctx.heads, blocks)
         du, dw = parts.sum(1)
         return dmix, dlse, dsrc, du, dw.to(weight.dtype), None, None, None, None
 

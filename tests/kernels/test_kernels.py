@@ -424,10 +424,37 @@ def test_opcheck():
     for counts in ([3, 3], [3, 2]):
         out, lse, rms = op.route(sources, u, 4, 1e-6, counts)
         gouts = list(grad_out.unbind(0))
-        torch.library.opcheck(op.route_backward, (gouts, None, lse, rms, sources, u, 4, counts))
-        torch.library.opcheck(op.route_backward, (gouts, torch.randn_like(lse), lse, rms, sources, u, 4, counts))
+        blocks = route_launch.du_blocks(sources[0].shape[:-1].numel(), len(sources))
+        torch.library.opcheck(op.route_backward, (gouts, None, lse, rms, sources, u, 4, counts, blocks))
+        torch.library.opcheck(
+            op.route_backward, (gouts, torch.randn_like(lse), lse, rms, sources, u, 4, counts, blocks)
+        )
         leaves = [v.detach().requires_grad_() for v in sources]
         torch.library.opcheck(op.route, (leaves, u.detach().requires_grad_(), 4, 1e-6, counts))
+
+
+def test_compiled_graph_records_the_launch_settings(monkeypatch):
+    """A gradient kernel with other rows a program (as in another kit version) misses the compiler's disk cache
+    rather than meeting a graph compiled for the old shape of du's partial sums; both give the same gradients."""
+    sources, query, gain, _ = make(3, 16, (2, 40), [torch.float32] * 3)
+    grads = []
+    for rows in (route_launch.APPLY_ROWS, route_launch.APPLY_ROWS // 4):
+        torch._dynamo.reset()
+        monkeypatch.setattr(route_launch, "APPLY_ROWS", rows)
+        leaves = [v.detach().requires_grad_() for v in (*sources, query, gain)]
+        loss = torch.compile(lambda *xs: depth_route(list(xs[:3]), *xs[3:], 4, backend="triton").square().sum())
+        loss(*leaves).backward()
+        grads.append([x.grad for x in leaves])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*grads, strict=True))
+
+def test_stale_block_count_is_a_clear_error():
+    """A compiled graph that expects another number of du partial sums (launch settings of another kit version)."""
+    sources, query, gain, grad_out = make(2, 24, (2, 3), [torch.float32] * 2)
+    u = (query * gain).reshape(1, -1)
+    _, lse, rms = op.route(sources, u, 4, 1e-6, [2])
+    blocks = route_launch.du_blocks(6, 2)
+    with pytest.raises(RuntimeError, match=f"expects {blocks + 1} partial sums, the kernels write {blocks}.*Clear"):
+        op.route_backward([grad_out.reshape(2, 3, 24)], None, lse, rms, sources, u, 4, [2], blocks + 1)
 
 
 @pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])

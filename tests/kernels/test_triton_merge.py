@@ -87,7 +87,10 @@ def test_opcheck():
     mix, lse, source, query, gain, weight, go = make(24, 4, (2, 3), torch.bfloat16)
     u = query * gain
     _, stats = triton_merge.merge_norm_forward(mix, lse, source, u, weight, 4, 1e-6, 1e-5, torch.bfloat16)
-    torch.library.opcheck(op.merge_norm_backward_op, (go.to(torch.bfloat16), mix, source, u, weight, stats, 4))
+    blocks = triton_merge.backward_blocks(stats.shape[0])
+    torch.library.opcheck(op.merge_norm_backward_op, (go.to(torch.bfloat16), mix, source, u, weight, stats, 4, blocks))
+    with pytest.raises(RuntimeError, match="expects .* partial sums"):
+        op.merge_norm_backward_op(go.to(torch.bfloat16), mix, source, u, weight, stats, 4, blocks + 1)
 
 
 def gradients(inputs, heads: int, checkpointed: bool = False, compiled_autograd: bool = False) -> list[torch.Tensor]:
