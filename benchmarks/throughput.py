@@ -305,13 +305,15 @@ def summary(rows: list[dict]) -> str:
     profiled = [row for row in rows if row.get("kernels")]
     if profiled:
         kinds = sorted({kind for row in profiled for kind in row["kernels"]["kinds"]})
-        lines += ["", "Device time a step by kind of kernel (ms):", ""]
-        lines += [f"| recipe | {' | '.join(kinds)} | all |", "| --- |" + " ---: |" * (len(kinds) + 1)]
+        lines += ["", "Device time a step by kind of kernel (ms); x first: the first row's speed in device time:", ""]
+        lines += [f"| recipe | {' | '.join(kinds)} | all | x first |", "| --- |" + " ---: |" * (len(kinds) + 2)]
+        firsts = {}
         for row in profiled:
+            first = firsts.setdefault((row["loop"], row["preset"]), row)
             times = [row["kernels"]["kinds"].get(kind, 0.0) for kind in kinds] + [row["kernels"]["step_ms"]]
-            lines.append(
-                f"| {row['recipe'].removeprefix('recipes/')} | " + " | ".join(f"{t:.2f}" for t in times) + " |"
-            )
+            ratio = first["kernels"]["step_ms"] / row["kernels"]["step_ms"]
+            name = row["recipe"].removeprefix("recipes/")
+            lines.append(f"| {name} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {ratio:.3f} |")
     return "\n".join(lines)
 
 

@@ -148,10 +148,18 @@ def test_the_kernel_breakdown_is_device_time_a_step_by_kind() -> None:
 
 def test_the_summary_adds_a_table_of_kernel_kinds_for_profiled_rows() -> None:
     kernels = {"step_ms": 100.0, "kinds": {"matmul": 80.0, "routing": 20.0}, "top": []}
-    rows = [row("pretrain/350m-sum.yaml", "350m", 160_000, 20.0), row("pretrain/350m-mhar.yaml", "350m", 144_000, 21.0)]
+    rows = [
+        row("pretrain/350m-sum.yaml", "350m", 160_000, 20.0),
+        row("pretrain/350m-mhar.yaml", "350m", 144_000, 21.0),
+        row("pretrain/1b-mhar.yaml", "1b", 60_000, 30.0),
+    ]
     assert "kind of kernel" not in throughput.summary(rows)
+    rows[0] |= {"kernels": {"step_ms": 90.0, "kinds": {"matmul": 80.0, "compiled": 10.0}, "top": []}}
     rows[1] |= {"kernels": kernels}
-    table = throughput.summary(rows).split("kind of kernel (ms):")[1].strip().splitlines()
-    assert table[0] == "| recipe | matmul | routing | all |"
-    assert table[2] == "| pretrain/350m-mhar.yaml | 80.00 | 20.00 | 100.00 |"
-    assert len(table) == 3
+    rows[2] |= {"kernels": kernels}
+    table = throughput.summary(rows).split("speed in device time:")[1].strip().splitlines()
+    assert table[0] == "| recipe | compiled | matmul | routing | all | x first |"
+    assert table[2] == "| pretrain/350m-sum.yaml | 10.00 | 80.00 | 0.00 | 90.00 | 1.000 |"
+    assert table[3] == "| pretrain/350m-mhar.yaml | 0.00 | 80.00 | 20.00 | 100.00 | 0.900 |"
+    assert table[4] == "| pretrain/1b-mhar.yaml | 0.00 | 80.00 | 20.00 | 100.00 | 1.000 |"  # its own preset's first
+    assert len(table) == 5
