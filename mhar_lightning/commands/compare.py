@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from mhar_lightning.errors import MharError
-from mhar_lightning.study import plots, report
+from mhar_lightning.study import plots, report, sizes
 from mhar_lightning.study.continuation import convert_checkpoint
 from mhar_lightning.study.grid import CHILDREN, LOG_FILE, RESULT_FILE, Run, Variant, mhar, parse_variant, run_dir
 from mhar_lightning.study.results import RunResult, has_logs, initial_val_loss, read_run
@@ -44,7 +44,7 @@ TINY_OVERRIDES = [
 STUDY_FILE = "study.json"
 """The variants of a study, baseline first, for `--report-only DIR`."""
 OWN_FLAGS = {"--recipe", "--seeds", "--out", "--baseline", "--only", "--max-runs", "--time-budget", "--report-only",
-             "--continue-from", "--jobs"}  # fmt: skip
+             "--continue-from", "--jobs", "--sizes"}  # fmt: skip
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -137,6 +137,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="train nothing: rebuild the report of the study in DIR (default: --out) from its finished runs",
     )
     parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="train nothing: write OUT/gap_vs_size.md and .png, each variant's gap to the baseline in the study "
+        "folders DIR (one model size each, reported first) against the baseline's parameters",
+    )
+    parser.add_argument(
         "--continue-from",
         type=Path,
         metavar="DIR",
@@ -144,6 +152,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     own, overrides = split_overrides(argv)
     args = parser.parse_intermixed_args(seeds_last(own))
+    if args.sizes:
+        return args, overrides
     if args.report_only:
         args.out = Path(args.report_only)
     if not args.variants and args.report_only is None:
@@ -335,10 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for logger in loggers:
         logger.setLevel(logging.WARNING)
     try:
-        return study(args, overrides)
+        return gap_vs_size(args.sizes, args.out) if args.sizes else study(args, overrides)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def gap_vs_size(studies: list[Path], out: Path) -> int:
+    """`--sizes`: the gap table and plot of several studies' reports, into `out`."""
+    try:
+        gaps = sizes.size_gaps(studies)
+    except ValueError as error:
+        print(f"mhar compare: error: {error}", file=sys.stderr)
+        return MharError.exit_code
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gap_vs_size.md").write_text(sizes.markdown(gaps))
+    sizes.figure(gaps).savefig(out / "gap_vs_size.png", dpi=sizes.DPI)
+    print(sizes.markdown(gaps), end="")
+    print(f"written: {out / 'gap_vs_size.md'}, {out / 'gap_vs_size.png'}")
+    return 0
 
 
 def study(args: argparse.Namespace, overrides: list[str]) -> int:

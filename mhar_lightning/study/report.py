@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from mhar_lightning.run_environment import PACKAGES
+from mhar_lightning.study import cost
 from mhar_lightning.study.results import RunResult, finite
 
 TRAIN_TAIL = 0.1
@@ -229,10 +230,51 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
             for s in summaries
         ]
         lines += markdown_table(["variant", "start val loss", f"vs {baseline}", "final val loss"], rows)
+    lines += cost_note(runs, summaries, baseline)
     lines += environment_note(runs)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def cost_note(runs: list[RunResult], summaries: list[VariantSummary], baseline: str) -> list[str]:
+    """The gap at equal GPU time and the baseline compute that reaches each variant's loss (`study.cost`), paired by
+    seed; nothing without baseline runs of the variants' seeds."""
+    base = {r.seed: r for r in runs if r.variant == baseline}
+    rows = []
+    for summary in summaries:
+        paired = [r for r in runs if r.variant == summary.variant != baseline and r.seed in base]
+        if not paired:
+            continue
+        costs = [cost.cost(r, base[r.seed], summary.speed_ratio) for r in paired]
+        equal_time = [c.equal_time_gap for c in costs if c.equal_time_gap is not None]
+        multipliers = [c.compute_multiplier for c in costs if c.compute_multiplier is not None]
+        rows.append(
+            [
+                summary.variant,
+                num(summary.speed_ratio, ".2f") + ("x" if finite(summary.speed_ratio) else ""),
+                pm(*mean_sd([c.gap for c in costs]), sign=True),
+                pm(*mean_sd(equal_time), sign=True) if equal_time else "-",
+                pm(*mean_sd(multipliers), digits=2) + "x" if len(multipliers) == len(costs) else "-",
+            ]
+        )
+    if not rows:
+        return []
+    header = ["variant", "speed", f"vs {baseline}", "at equal GPU time", f"{baseline} compute to match"]
+    return [
+        "",
+        "## Cost",
+        "",
+        f"Gap at equal GPU time: the variant's final loss minus {baseline}'s after the tokens {baseline} trains in the"
+        f" same time (the variant's tokens / its speed ratio, measured alone). {baseline} compute to match: the tokens"
+        f" after which {baseline}'s validation curve reaches the variant's final loss, over the variant's tokens"
+        f" (above 1x the variant is worth more {baseline} compute than it used). Both read {baseline}'s curve of the"
+        " same seed, interpolated in log tokens, and past its end a power law fitted to its second half; a point"
+        " inside one cosine schedule is not a shorter run's final loss, so inside the curve both understate the"
+        f" variant's advantage. `-`: no speed measured alone, or {baseline} never reaches the loss.",
+        "",
+        *markdown_table(header, rows),
+    ]
 
 
 def environment_note(runs: list[RunResult]) -> list[str]:
