@@ -34,6 +34,7 @@ from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import RESIDUALS
+from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
@@ -109,7 +110,9 @@ class MharCLI(LightningCLI):
                 self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
         else:
             super().parse_arguments(parser, args)
-        check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+        config = self.config.get(str(self.config.get("subcommand")), self.config)
+        check_linked_fields(config)
+        allow_user_residual(config.model.get("residual"))
 
     def _parse_ckpt_path(self) -> None:
         """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
@@ -127,6 +130,7 @@ class MharCLI(LightningCLI):
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
         hparams = read_checkpoint(path).get("hyper_parameters") or {}
+        check_stored_residual(hparams.get("residual"), f"checkpoint {path}")
         given_model = given_model.as_dict() if given_model is not None else {}
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
         arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them
@@ -254,6 +258,14 @@ def check_linked_fields(config) -> None:
         check_fields(overrides, "model.model_overrides")
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def allow_user_residual(residual: object) -> None:
+    """Let checkpoints name the residual class the user's config names (a flag or a recipe), as `class_path` or as
+    `--model.residual package.Class`."""
+    class_path = residual.get("class_path") if hasattr(residual, "get") else residual
+    if isinstance(class_path, str) and "." in class_path:
+        allow_class_path(class_path)
 
 
 def failed_class_path_import(error: BaseException) -> bool:

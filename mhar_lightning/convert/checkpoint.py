@@ -25,6 +25,7 @@ from mhar_lightning.convert.safetensors_io import (
 )
 from mhar_lightning.model import Decoder
 from mhar_lightning.residual import RESIDUALS, Residual, make_residual
+from mhar_lightning.residual.trust import check_stored_residual
 
 CONFIG_FILE = "mhar_config.json"
 FORMAT_VERSION = 1
@@ -131,7 +132,7 @@ def save_converted(
 
 
 def read_converted_config(path: str | Path) -> dict:
-    """The parsed `mhar_config.json` of converted checkpoint `path`."""
+    """The parsed `mhar_config.json` of converted checkpoint `path`; a residual class it may not name is refused."""
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: not a (complete) converted checkpoint")
@@ -140,6 +141,7 @@ def read_converted_config(path: str | Path) -> dict:
         raise ConversionError(
             f"{config_file} has format_version {meta.get('format_version')}, expected {FORMAT_VERSION}"
         )
+    check_stored_residual(meta.get("residual"), str(config_file))
     return meta
 
 
