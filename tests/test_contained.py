@@ -4,13 +4,11 @@ command that reads them."""
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from cli_helpers import DEMO
 
 from mhar_lightning.cli import main
@@ -161,9 +159,7 @@ def test_a_prepared_folder_naming_a_shard_outside_is_refused(tmp_path: Path, cap
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_token_ids_outside_the_vocabulary_are_refused_when_the_folder_opens(
-    tmp_path: Path, capsys, data: Path
-) -> None:
+def test_token_ids_outside_the_vocabulary_are_refused_when_the_folder_opens(tmp_path: Path, capsys, data: Path) -> None:
     folder = tmp_path / "prepared"
     shutil.copytree(data, folder)
     index = json.loads((folder / DATA_INDEX).read_text())

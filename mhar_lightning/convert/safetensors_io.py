@@ -63,7 +63,9 @@ class SafetensorsDir:
             try:
                 weight_map = dict(json.loads(index.read_text())["weight_map"])
             except (KeyError, TypeError, ValueError) as error:
-                raise ConversionError(f"{index} is unreadable ({error!r}): convert or download the model again") from None
+                raise ConversionError(
+                    f"{index} is unreadable ({error!r}): convert or download the model again"
+                ) from None
         elif (self.path / SINGLE_FILE).is_file():
             index, weight_map = self.path / SINGLE_FILE, None
         else:

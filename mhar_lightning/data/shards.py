@@ -214,7 +214,8 @@ def _check_shard(directory: Path, shard: ShardInfo, dtype: np.dtype, verify: boo
         raise ShardError(f"shard {path} is corrupt (sha256 differs from {INDEX_FILE}); {_REPREPARE}")
     if largest >= vocab_size:
         raise ShardError(
-            f"shard {path} holds token id {largest}, outside the tokenizer's {vocab_size}-token vocabulary; {_REPREPARE}"
+            f"shard {path} holds token id {largest}, outside the tokenizer's {vocab_size}-token vocabulary;"
+            f" {_REPREPARE}"
         )
 
 
