@@ -62,6 +62,8 @@ class SafetensorsDir:
         if index.is_file():
             try:
                 weight_map = dict(json.loads(index.read_text())["weight_map"])
+                if not all(isinstance(file, str) for file in weight_map.values()):
+                    raise TypeError("weight_map values must be file names")
             except (KeyError, TypeError, ValueError) as error:
                 raise ConversionError(
                     f"{index} is unreadable ({error!r}): convert or download the model again"
@@ -79,7 +81,9 @@ class SafetensorsDir:
                     f"{what} that leads outside {self.path}: a model's files must lie in its own directory; convert or"
                     " download the model again"
                 )
-        self.weight_map: dict[str, str] = weight_map or dict.fromkeys(self.file(SINGLE_FILE).keys(), SINGLE_FILE)
+        if weight_map is None:
+            weight_map = dict.fromkeys(self.file(SINGLE_FILE).keys(), SINGLE_FILE)
+        self.weight_map: dict[str, str] = weight_map
 
     def file(self, name: str):
         """The open handle of shard file `name` (opened once)."""
