@@ -4,6 +4,7 @@ entry point) or a class the user named as well; anything else is refused before 
 never chooses what code runs."""
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +34,8 @@ def registered(class_path: str) -> bool:
     top = class_path.partition(".")[0]
     for name, entry_point in RESIDUALS.entry_points().items():
         if entry_point.module.partition(".")[0] == top:
-            RESIDUALS[name]  # imports the installed package that declares it
+            with contextlib.suppress(ValueError):  # a broken entry point registers nothing
+                RESIDUALS[name]  # imports the installed package that declares it
     known = [*RESIDUALS.classes.values(), *filter(None, map(imported, NAMED_BY_USER))]
     found = imported(class_path)
     return found is not None and any(found is cls for cls in known)

@@ -155,6 +155,7 @@ def test_built_in_and_installed_strategies_load(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(RESIDUALS, "classes", dict(RESIDUALS.classes))
     monkeypatch.delitem(sys.modules, "rezero_plugin", raising=False)
     check_stored_residual({"class_path": "rezero_plugin.ReZero"}, "a file")  # installed with an entry point
-    for class_path in ("rezero_plugin.nn", "mhar_lightning.residual.base.Residual", "os.system", 3, None):
+    refused = ("rezero_plugin.nn", "rezero_plugin_missing.ReZero", "mhar_lightning.residual.base.Residual", "os.system")
+    for class_path in (*refused, 3, None):  # the second is a broken entry point's
         with pytest.raises(CheckpointError, match="names residual class"):
             check_stored_residual({"class_path": class_path}, "a file")
