@@ -175,3 +175,17 @@ def test_token_ids_outside_the_vocabulary_are_refused_when_the_folder_opens(tmp_
         assert len(err.strip().splitlines()) == 1, err
         assert "holds token id 300, outside the tokenizer's 256-token vocabulary" in err and shard["file"] in err
         assert not list((tmp_path / verify).glob("checkpoints/*.ckpt"))
+
+
+def test_a_tokenizer_file_linking_out_of_a_converted_directory_is_never_exported(tmp_path: Path, capsys) -> None:
+    model = converted_dir(tmp_path / "model")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "a tokenizer"}')
+    (model / "tokenizer.json").symlink_to(secret)
+    code, err = mhar(["export-hf", model, tmp_path / "hf"], capsys)
+    assert code == 2
+    assert err.strip() == (
+        f"mhar export-hf: error: {model / 'tokenizer.json'} is a link that leads outside {model}: a model's files must"
+        " lie in its own directory; convert the model again"
+    )
+    assert not (tmp_path / "hf").exists()
