@@ -6,6 +6,8 @@ import warnings
 QUIETED_WARNINGS = (
     "'set_vital' is deprecated",  # torchdata's StatefulDataLoader calls a deprecated torch function
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree helper, on torch >= 2.9
+    # `mhar fit` refuses a fresh run into a folder holding checkpoints; a resumed run's folder holds them
+    "Checkpoint directory .* exists and is not empty",
 )
 
 
@@ -15,7 +17,7 @@ class _NoAdverts(logging.Filter):
 
 
 def quiet_third_party_noise() -> None:
-    """Drop Lightning's LitLogger tip and two deprecation warnings the user can do nothing about."""
+    """Drop Lightning's LitLogger tip and the warnings the user can do nothing about."""
     for message in QUIETED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())

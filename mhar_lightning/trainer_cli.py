@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
@@ -34,7 +35,9 @@ from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
 from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import RESIDUALS
+from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
+from mhar_lightning.run_folder import RunLock, check_fresh_run, last_checkpoint
 from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
 
@@ -66,24 +69,30 @@ class MharCLI(LightningCLI):
     Sequence length and vocabulary are set once, on the data (`data.seq_len`, `data.tokenizer`), and copied to
     the model. Checkpoints go to `<default_root_dir>/checkpoints` (so `--ckpt_path last` finds them across
     runs), TensorBoard logs to `<default_root_dir>/tensorboard`, and checkpoint files are written atomically.
+    `fit` holds a lock on its checkpoint folder while it runs (`run_folder`).
     """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
-        super().__init__(
-            LanguageModel,
-            TokenDataModule,
-            trainer_defaults={
-                "use_distributed_sampler": False,
-                "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
-            },
-            seed_everything_default=0,
-            parser_class=MharArgumentParser,
-            save_config_callback=SaveRunConfig,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=args,
-            run=run,
-        )
+        self.run_lock: RunLock | None = None  # `fit` takes it before touching its checkpoint folder
+        try:
+            super().__init__(
+                LanguageModel,
+                TokenDataModule,
+                trainer_defaults={
+                    "use_distributed_sampler": False,
+                    "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+                },
+                seed_everything_default=0,
+                parser_class=MharArgumentParser,
+                save_config_callback=SaveRunConfig,
+                save_config_kwargs={"overwrite": True},
+                auto_configure_optimizers=False,
+                args=args,
+                run=run,
+            )
+        finally:  # however the run ends: done, refused, failed or stopped by SIGTERM
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
         """Parse, first putting each recipe's `# base:` chain in front of it (see `with_recipe_bases`)."""
@@ -109,7 +118,9 @@ class MharCLI(LightningCLI):
                 self.given = parser.parse_args(with_recipe_bases(args), defaults=False)
         else:
             super().parse_arguments(parser, args)
-        check_linked_fields(self.config.get(str(self.config.get("subcommand")), self.config))
+        config = self.config.get(str(self.config.get("subcommand")), self.config)
+        check_linked_fields(config)
+        allow_user_residual(config.model.get("residual"))
 
     def _parse_ckpt_path(self) -> None:
         """Resolve `--ckpt_path last`, refuse given model arguments that contradict the checkpoint, then take the
@@ -127,6 +138,7 @@ class MharCLI(LightningCLI):
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
         hparams = read_checkpoint(path).get("hyper_parameters") or {}
+        check_stored_residual(hparams.get("residual"), f"checkpoint {path}")
         given_model = given_model.as_dict() if given_model is not None else {}
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
         arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them
@@ -152,7 +164,7 @@ class MharCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(FinalStepCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.link_arguments("data.seq_len", "model.seq_len")
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
@@ -208,6 +220,10 @@ class MharCLI(LightningCLI):
             saves = config.checkpoint.save_top_k != 0 or config.checkpoint.save_last
             needed = checkpoint_bytes(self.model.model_config) if saves else 0
             check_output_dir(config.checkpoint.dirpath, "checkpoint.dirpath", needed)
+            if rank_zero_only.rank == 0:  # other ranks run under rank 0, which holds the lock
+                self.run_lock = RunLock(config.checkpoint.dirpath)
+                self.run_lock.acquire()
+            check_fresh_run(config.checkpoint.dirpath, ckpt_path)
             remove_stale_temporaries(config.checkpoint.dirpath)
 
     @property
@@ -256,6 +272,14 @@ def check_linked_fields(config) -> None:
         raise ConfigError(str(error)) from None
 
 
+def allow_user_residual(residual: object) -> None:
+    """Let checkpoints name the residual class the user's config names (a flag or a recipe), as `class_path` or as
+    `--model.residual package.Class`."""
+    class_path = residual.get("class_path") if hasattr(residual, "get") else residual
+    if isinstance(class_path, str) and "." in class_path:
+        allow_class_path(class_path)
+
+
 def failed_class_path_import(error: BaseException) -> bool:
     """Whether `error` was raised by jsonargparse importing a config's `class_path` (not by a bug elsewhere)."""
     tb = error.__traceback__
@@ -300,10 +324,9 @@ def with_recipe_bases(args: list[str]) -> list[str]:
 
 
 def checkpoint_file(ckpt_path: str | None, checkpoint_dir: str) -> str | None:
-    """The checkpoint `ckpt_path` names: `last` is the newest `last*.ckpt` of `checkpoint_dir` (None if none)."""
+    """The checkpoint `ckpt_path` names: `last` is the `last.ckpt` of `checkpoint_dir` (None if none)."""
     if ckpt_path == "last":
-        candidates = sorted(Path(checkpoint_dir).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-        return str(candidates[-1]) if candidates else None
+        return last_checkpoint(checkpoint_dir)
     if ckpt_path not in (None, "best", "hpc", "registry") and not Path(ckpt_path).exists():
         raise ConfigError(f"checkpoint {ckpt_path} does not exist: pass an existing checkpoint, or --ckpt_path last")
     if ckpt_path is not None and Path(ckpt_path).is_dir() and not is_sharded_checkpoint(ckpt_path):

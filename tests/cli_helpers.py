@@ -151,12 +151,15 @@ STAND_INS = {  # recipe -> (source config.json, residual) of the conversion its 
 
 
 def stand_in_converted(recipe: Path, out: Path) -> Path:
-    """The `mhar_config.json` that converting `recipe`'s model writes, without weights (enough to build on meta)."""
+    """The `mhar_config.json` that converting `recipe`'s model writes, with an empty shard index instead of weights
+    (enough to build on meta)."""
     from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
     from mhar_lightning.convert.hf_llama import hf_config_to_model_config
+    from mhar_lightning.convert.safetensors_io import INDEX_FILE
 
     hf_config, residual = STAND_INS[recipe.relative_to(REPO / "recipes").as_posix()]
     model = hf_config_to_model_config(hf_config).to_dict()
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "model": model, "residual": residual}))
+    (out / INDEX_FILE).write_text(json.dumps({"weight_map": {}}))
     return out

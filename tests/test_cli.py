@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import mhar_lightning.checkpoint_io
 from mhar_lightning.checkpoint_io import AtomicCheckpointIO
 from mhar_lightning.cli import main
+from mhar_lightning.run_folder import LOCK_FILE
 from mhar_lightning.trainer_cli import MharCLI
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
@@ -180,20 +181,25 @@ def test_compiled_autograd_under_fsdp2_is_one_line(tmp_path: Path, capsys) -> No
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_a_run_stopped_by_sigterm_exits_143_after_its_last_checkpoint(tmp_path: Path) -> None:
-    """A job scheduler's SIGTERM: the run stops after its step, keeps its checkpoints and exits 128 + 15, not 0."""
+def test_a_run_stopped_by_sigterm_exits_143_after_its_last_checkpoint(tmp_path: Path, capsys) -> None:
+    """A job scheduler's SIGTERM: the run stops after its step, keeps its checkpoints and exits 128 + 15, not 0. While
+    it runs, it holds its checkpoint folder: a second run into it is refused, naming the first."""
     import signal
 
     args = [*fast_demo_args(tmp_path, max_steps=200), "--trainer.enable_progress_bar", "true"]  # a plain line a step
     cmd = [sys.executable, "-m", "mhar_lightning.cli", *args]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert any(line.startswith("step 3/200") for line in process.stdout), "the run ended before step 3"
+    code, _, err = run(fast_demo_args(tmp_path, max_steps=200), capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"checkpoint folder {tmp_path / 'checkpoints'} is in use by another mhar fit (pid {process.pid} on" in err
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
     last = output.strip().splitlines()[-1]
     assert last == "mhar: stopped by SIGTERM; resume from the last checkpoint with --ckpt_path last"
     assert 3 <= checkpoint_step(tmp_path) < 200
+    assert not (tmp_path / "checkpoints" / LOCK_FILE).exists()
 
 
 def test_help_says_that_test_is_refused(capsys) -> None:

@@ -15,6 +15,7 @@ from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE, Conversion
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.residual import RESIDUALS
+from mhar_lightning.residual.trust import add_residual_option
 
 RESIDUAL_FLAGS = ("heads", "block_size", "blocks")
 
@@ -116,6 +117,7 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="new (or empty) output directory")
     parser.add_argument("--tokenizer", help="tokenizer to ship (default: the one a .ckpt was trained with)")
     add_output_options(parser)
+    add_residual_option(parser)
     args = parser.parse_args(argv)
     dtype = DTYPES.get(args.dtype)
 

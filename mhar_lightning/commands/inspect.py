@@ -19,6 +19,7 @@ from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe
 from mhar_lightning.residual import residual_name
+from mhar_lightning.residual.trust import add_residual_option
 
 
 def positive_int(text: str) -> int:
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
     parser.add_argument("--tokenizer", help="tokenizer for --text or the default corpus (default: the run's)")
     parser.add_argument("--npz", type=Path, help="also save the raw weights with their labels here (.npz)")
+    add_residual_option(parser)
     args = parser.parse_args(argv)
     for flag, path, suffix in (("--out", args.out, ".png"), ("--npz", args.npz, ".npz")):
         if path is not None and path.suffix.lower() != suffix:  # the writers would append it and print another name

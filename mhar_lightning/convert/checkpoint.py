@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from mhar_lightning.config import ModelConfig
-from mhar_lightning.convert.hf_llama import HFLlamaCheckpoint, copy_tokenizer_files
+from mhar_lightning.contained import inside
+from mhar_lightning.convert.hf_llama import TOKENIZER_FILES, HFLlamaCheckpoint, copy_tokenizer_files
 from mhar_lightning.convert.safetensors_io import (
     DEFAULT_SHARD_SIZE,
     ConversionError,
@@ -25,6 +26,7 @@ from mhar_lightning.convert.safetensors_io import (
 )
 from mhar_lightning.model import Decoder
 from mhar_lightning.residual import RESIDUALS, Residual, make_residual
+from mhar_lightning.residual.trust import check_stored_residual
 
 CONFIG_FILE = "mhar_config.json"
 FORMAT_VERSION = 1
@@ -131,15 +133,23 @@ def save_converted(
 
 
 def read_converted_config(path: str | Path) -> dict:
-    """The parsed `mhar_config.json` of converted checkpoint `path`."""
+    """The parsed `mhar_config.json` of converted checkpoint `path`; a residual class it may not name is refused, and
+    so is a tokenizer file that links out of `path` (an export would copy what it leads to)."""
     config_file = Path(path) / CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: not a (complete) converted checkpoint")
+    for name in TOKENIZER_FILES:
+        if (Path(path) / name).exists() and inside(path, name) is None:
+            raise ConversionError(
+                f"{Path(path) / name} is a link that leads outside {path}: a model's files must lie in its own"
+                " directory; convert the model again"
+            )
     meta = json.loads(config_file.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ConversionError(
             f"{config_file} has format_version {meta.get('format_version')}, expected {FORMAT_VERSION}"
         )
+    check_stored_residual(meta.get("residual"), str(config_file))
     return meta
 
 

@@ -87,8 +87,8 @@ def export_training_checkpoint(
     of the original Hugging Face model; otherwise `tokenizer` (the run's) is written."""
     if init_from is None or not (Path(init_from) / CONFIG_FILE).is_file():
         return export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer)
+    source = read_converted_config(init_from).get("source", {}).get("hf_config", {})  # checked before writing
     out = export_hf(model, out_dir, dtype=dtype, max_shard_size=max_shard_size)
-    source = read_converted_config(init_from).get("source", {}).get("hf_config", {})
     hf_config = json.loads((out / "config.json").read_text())
     hf_config |= {key: source[key] for key in TOKEN_KEYS if key in source}
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -164,7 +164,7 @@ class HFLlamaCheckpoint:
             raise FileNotFoundError(f"{self.path} has no config.json; point at a Hugging Face model directory")
         self.hf_config: dict = json.loads(config_file.read_text())
         self.config = hf_config_to_model_config(self.hf_config)
-        self.tensors = SafetensorsDir(self.path)
+        self.tensors = SafetensorsDir(self.path, follow_links=False)  # a Hugging Face cache links to its blobs
         self.dtype = self.tensors.shape_and_dtype(self.tensors.names()[0])[1]
 
     def entries(self, model: Decoder, dtype: torch.dtype | None = None) -> list[TensorEntry]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, converted_residual, read_converted_config
-from mhar_lightning.convert.safetensors_io import ConversionError
+from mhar_lightning.convert.safetensors_io import ConversionError, SafetensorsDir
 from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
 from mhar_lightning.residual import RESIDUALS, Residual, make_residual, residual_name
 
@@ -36,6 +36,7 @@ def pretrained_model(
             f"`mhar convert-hf SRC OUT --residual ...` and pass OUT"
         )
     meta = read_converted_config(init_from)
+    SafetensorsDir(init_from)  # its index is refused now, not after the trainer has started
     config = ModelConfig(**meta["model"])
     template = converted_residual(meta)
     where = f"init_from={init_from}"

@@ -17,6 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from mhar_lightning.contained import inside
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_SIZE = "5GB"
@@ -51,20 +53,42 @@ class TensorEntry:
 class SafetensorsDir:
     """The tensors of a safetensors directory, opened lazily and read through memory maps."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, follow_links: bool = True) -> None:
+        """Open `path`, whose files must lie inside it: with `follow_links` (the kit's own directories) also where
+        symbolic links lead; a Hugging Face cache links every file to a blob outside its snapshot folder."""
         self.path = Path(path)
         self._handles: dict[str, object] = {}
-        if (self.path / INDEX_FILE).is_file():
-            self.weight_map: dict[str, str] = json.loads((self.path / INDEX_FILE).read_text())["weight_map"]
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = dict(json.loads(index.read_text())["weight_map"])
+                if not all(isinstance(file, str) for file in weight_map.values()):
+                    raise TypeError("weight_map values must be file names")
+            except (KeyError, TypeError, ValueError) as error:
+                raise ConversionError(
+                    f"{index} is unreadable ({error!r}): convert or download the model again"
+                ) from None
         elif (self.path / SINGLE_FILE).is_file():
-            self.weight_map = dict.fromkeys(self.file(SINGLE_FILE).keys(), SINGLE_FILE)
+            index, weight_map = self.path / SINGLE_FILE, None
         else:
             raise FileNotFoundError(f"{self.path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self.files: dict[str, Path] = {}
+        for name in set(weight_map.values()) if weight_map is not None else {SINGLE_FILE}:
+            self.files[name] = inside(self.path, name, follow_links)
+            if self.files[name] is None:
+                what = f"{index} names {name!r}" if weight_map is not None else f"{index} is a link"
+                raise ConversionError(
+                    f"{what} that leads outside {self.path}: a model's files must lie in its own directory; convert or"
+                    " download the model again"
+                )
+        if weight_map is None:
+            weight_map = dict.fromkeys(self.file(SINGLE_FILE).keys(), SINGLE_FILE)
+        self.weight_map: dict[str, str] = weight_map
 
     def file(self, name: str):
         """The open handle of shard file `name` (opened once)."""
         if name not in self._handles:
-            self._handles[name] = safe_open(self.path / name, framework="pt")
+            self._handles[name] = safe_open(self.files[name], framework="pt")
         return self._handles[name]
 
     def names(self) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mhar_lightning.contained import inside
 from mhar_lightning.data.tokenizer import Tokenizer
 from mhar_lightning.errors import ConfigError
 
@@ -90,7 +91,7 @@ class ShardIndex:
             raw = json.loads(path.read_text())
             if raw.get("format") != FORMAT:
                 raise ShardError(f"{path} has format {raw.get('format')!r}, expected {FORMAT!r}; {_REPREPARE}")
-            return cls(
+            index = cls(
                 tokenizer=TokenizerInfo(**raw["tokenizer"]),
                 dtype=raw["dtype"],
                 splits={k: [ShardInfo(**s) for s in v] for k, v in raw["splits"].items()},
@@ -99,6 +100,13 @@ class ShardIndex:
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ShardError(f"{path} is unreadable ({exc!r}); {_REPREPARE}") from exc
+        for shard in (shard for shards in index.splits.values() for shard in shards):
+            if inside(directory, shard.file) is None:
+                raise ShardError(
+                    f"{path} names shard {shard.file!r}, which leads outside {directory}: a prepared folder reads only"
+                    f" its own shards; {_REPREPARE}"
+                )
+        return index
 
     def check_tokenizer(self, tokenizer: Tokenizer, directory: Path) -> None:
         """Refuse a folder prepared with another tokenizer than ``tokenizer`` (compared by content, not by name)."""
@@ -164,7 +172,7 @@ class TokenStream:
         self.dtype = np.dtype(self.index.dtype)
         self.shards = self.index.splits[split]
         for shard in self.shards:
-            _check_shard(self.directory, shard, self.dtype, verify)
+            _check_shard(self.directory, shard, self.dtype, verify, self.index.tokenizer.vocab_size)
         self.offsets = np.cumsum([0] + [s.tokens for s in self.shards]).tolist()
         self._arrays: list[np.memmap] | None = None
 
@@ -192,21 +200,33 @@ class TokenStream:
         return self._arrays
 
 
-def _check_shard(directory: Path, shard: ShardInfo, dtype: np.dtype, verify: bool) -> None:
+def _check_shard(directory: Path, shard: ShardInfo, dtype: np.dtype, verify: bool, vocab_size: int) -> None:
+    """Refuse a shard that is missing, of the wrong size, corrupt (if `verify`) or holding an id outside the
+    vocabulary (which training would only meet as an index error, mid-run)."""
     path = directory / shard.file
     expected = shard.tokens * dtype.itemsize
     if not path.is_file():
         raise ShardError(f"shard {path} is missing; {_REPREPARE}")
     if (size := path.stat().st_size) != expected:
         raise ShardError(f"shard {path} is truncated or padded ({size} bytes, index says {expected}); {_REPREPARE}")
-    if verify and file_sha256(path) != shard.sha256:
+    digest, largest = scan_shard(path, dtype, verify)
+    if verify and digest != shard.sha256:
         raise ShardError(f"shard {path} is corrupt (sha256 differs from {INDEX_FILE}); {_REPREPARE}")
+    if largest >= vocab_size:
+        raise ShardError(
+            f"shard {path} holds token id {largest}, outside the tokenizer's {vocab_size}-token vocabulary;"
+            f" {_REPREPARE}"
+        )
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 8 MiB blocks."""
-    digest = hashlib.sha256()
+def scan_shard(path: Path, dtype: np.dtype, digest: bool = True) -> tuple[str | None, int]:
+    """The sha256 of a shard's bytes (None unless `digest`) and its largest token id (-1 if empty), in one pass of
+    8 MiB blocks."""
+    sha, largest = hashlib.sha256() if digest else None, -1
+    block_bytes = (8 << 20) // dtype.itemsize * dtype.itemsize
     with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        while block := f.read(block_bytes):
+            if sha is not None:
+                sha.update(block)
+            largest = max(largest, int(np.frombuffer(block, dtype=dtype).max()))
+    return (sha.hexdigest() if sha is not None else None), largest

@@ -15,6 +15,7 @@ from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.residual import make_residual
+from mhar_lightning.residual.trust import add_residual_option, check_stored_residual
 from mhar_lightning.sharded_checkpoint import META_FILE
 
 
@@ -99,6 +100,7 @@ def run_decoder(path: Path, raw: dict) -> Decoder:
     """The decoder of a `mhar fit` checkpoint `raw` (read from `path`): rebuilt from the shape it records, which
     also holds for runs that started from a converted directory (`init_from`) no longer at hand."""
     hparams = raw.get("hyper_parameters") or {}
+    check_stored_residual(hparams.get("residual"), f"checkpoint {path}")
     if "model_config" not in hparams:  # written before checkpoints recorded the whole shape
         module = LanguageModel.load_from_checkpoint(
             path, map_location="cpu", compile=False, activation_checkpointing="none", init_from=None
@@ -117,6 +119,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    add_residual_option(parser)
 
 
 def load_from_args(args: argparse.Namespace) -> Loaded:

@@ -21,6 +21,7 @@ from mhar_lightning.convert.checkpoint import (
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE, TensorEntry, fresh_dir, parse_size, write_sharded
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.residual import Residual, make_residual
+from mhar_lightning.residual.trust import check_stored_residual
 from mhar_lightning.study.results import MODEL_ARGS
 
 PREFIX = "decoder."
@@ -42,6 +43,7 @@ def convert_checkpoint(ckpt: Path, out: Path, residual: str | dict[str, Any]) ->
     if "model_config" in recorded:
         config = ModelConfig(**recorded["model_config"])
     else:  # a checkpoint written before runs recorded their whole shape
+        check_stored_residual(recorded.get("residual"), f"checkpoint {ckpt}")
         config = LanguageModel(**{k: v for k, v in recorded.items() if k in MODEL_ARGS}).model_config
     template = residual_of(residual)
     model = meta_decoder(config, template)
