@@ -10,7 +10,7 @@ from cli_helpers import DEMO
 from test_cli import run
 from torch.distributed.checkpoint import FileSystemReader, save
 
-from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint
+from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint
 
 
 class Payload:

@@ -1,0 +1,43 @@
+"""Refuse a checkpoint whose weights or optimizer state are not finite: loading it would train or report NaN."""
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mhar_lightning.errors import CheckpointError
+
+
+def nonfinite_tensors(value: Any, name: str = "") -> Iterator[str]:
+    """The dotted names of the floating-point tensors in `value` (nested dicts and lists) with a NaN or infinity."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            yield name
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from nonfinite_tensors(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from nonfinite_tensors(item, f"{name}.{index}" if name else str(index))
+
+
+def check_finite_state(state: Mapping[str, Any], source: str) -> None:
+    """Refuse a state dict with a non-finite tensor (a checkpoint saved after training diverged)."""
+    bad = list(nonfinite_tensors(state))
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {source} has non-finite weights ({len(bad)} of {len(state)} tensors, first {bad[0]}):"
+            " training had diverged when it was saved; use an earlier checkpoint"
+        )
+
+
+def check_finite_checkpoint(checkpoint: Mapping[str, Any], source: str) -> None:
+    """Refuse a Lightning checkpoint whose weights or optimizer state hold a NaN or an infinity."""
+    check_finite_state(checkpoint.get("state_dict") or {}, source)
+    bad = next(nonfinite_tensors(checkpoint.get("optimizer_states") or [], "optimizer_states"), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"checkpoint {source} has non-finite optimizer state ({bad}): resuming would apply it to every later"
+            " step; use an earlier checkpoint"
+        )
