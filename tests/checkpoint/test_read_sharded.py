@@ -8,7 +8,7 @@ import pytest
 import torch
 from cli_helpers import DEMO
 from test_cli import run
-from torch.distributed.checkpoint import FileSystemReader, save
+from torch.distributed.checkpoint import FileSystemReader, load, save
 
 from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint
 
@@ -83,3 +83,39 @@ def test_a_planted_item_pickle_does_not_run(tmp_path: Path, capsys, command: str
         )
     )
     assert not marker.exists()
+
+
+def test_metadata_naming_a_file_outside_the_folder_is_refused(tmp_path: Path, capsys) -> None:
+    """torch's reader follows `.metadata` to a file outside the folder; `mhar consolidate` reads nothing."""
+    directory = sharded(tmp_path)
+    (directory / "__0_0.distcp").rename(tmp_path / "outside.distcp")
+    metadata = pickle.loads((directory / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    state = {"state_dict": {"weight": torch.empty(3, 4), "bias": torch.empty(3)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(state, storage_reader=FileSystemReader(directory), no_dist=True)  # the attack: read from outside
+
+    code, _, err = run(["consolidate", str(directory), str(tmp_path / "out.ckpt")], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"mhar: error: {directory / '.metadata'} names the file '../outside.distcp', outside its folder {directory},"
+        " so nothing was read: use a checkpoint you trust (a sharded checkpoint keeps all its files in its folder)"
+    ]
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_sharded_checkpoint_on_one_device_names_the_fix(tmp_path: Path, capsys, command: str) -> None:
+    directory, root = sharded(tmp_path), tmp_path / "run"
+    args = [command, "--config", str(DEMO), "--trainer.default_root_dir", str(root), "--ckpt_path", str(directory)]
+    code, _, err = run(args, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"mhar: error: --ckpt_path {directory} is a sharded checkpoint, which only ModelParallelStrategy reads: run"
+        " with --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy on the devices that wrote it, or"
+        f" merge it with `mhar consolidate {directory} OUT.ckpt` and pass OUT.ckpt"
+    ]
+    assert not root.exists()
