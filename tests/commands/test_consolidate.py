@@ -10,8 +10,9 @@ import pytest
 import torch
 from fsdp_helpers import MHAR, converted_init, run_ranks, tiny_corpus
 from test_cli import run
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from mhar_lightning.checkpoint.digest import DIGEST_FILE
+from mhar_lightning.checkpoint.digest import DIGEST_FILE, record_sharded_digest
 from mhar_lightning.commands import consolidate as consolidate_module
 from mhar_lightning.commands.consolidate import main
 from mhar_lightning.module import LanguageModel
@@ -126,3 +127,26 @@ def test_a_sharded_checkpoint_records_each_files_digest_and_a_changed_shard_is_r
         " disk or in transfer, or edited), so it was not loaded: use an intact copy, e.g. an earlier save"
     )
     assert not (tmp_path / "model.ckpt").exists() and shard.read_bytes() == data
+
+
+def test_resuming_a_sharded_checkpoint_with_inf_optimizer_state_is_refused_on_every_rank(
+    tmp_path: Path, sharded_run: Path
+) -> None:
+    """Written again with one infinite moment and a digest that matches (as a run would have saved it)."""
+    source = (sharded_run / "ckpt" / "last.ckpt").resolve()
+    dcp_to_torch_save(source, tmp_path / "full.pt")
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    moments = next(iter(state["optimizer_0"]["state"].values()))
+    moments["exp_avg_sq"].view(-1)[0] = float("inf")
+    torch.save(state, tmp_path / "full.pt")
+    poisoned = tmp_path / "inf"
+    torch_save_to_dcp(tmp_path / "full.pt", poisoned)
+    shutil.copy(source / "meta.pt", poisoned / "meta.pt")
+    record_sharded_digest(poisoned, rank=0)
+    root = sharded_run.parent
+    args = ["--out", str(tmp_path / "run"), "--data", str(root / "corpus"), "--init", str(root / "init-MHAR-tied")]
+    result = run_ranks(*args, "--residual", json.dumps(MHAR), "--fsdp", "--devices", "2", "--steps", "6",
+                       "--resume", str(poisoned))  # fmt: skip
+    assert result.returncode != 0
+    line = f"checkpoint {poisoned} has non-finite weights or optimizer state: training had diverged when it was saved"
+    assert result.stdout.count(line) == 2, result.stdout[-3000:]  # every rank stops on the reduced decision
