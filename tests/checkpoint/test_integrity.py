@@ -133,3 +133,36 @@ def test_an_intact_checkpoint_is_read_and_its_digest_covers_every_value(ckpt: Pa
 
         main(command("evaluate", ckpt, trained_mhar_run[1], ckpt.parent / "out"))
     assert done.value.code == 0
+
+
+@pytest.fixture
+def nan_converted(tmp_path: Path) -> Path:
+    """A converted directory (`mhar convert-hf`'s layout) of a random tiny MHAR model with one NaN weight."""
+    from fsdp_helpers import MHAR, converted_init
+    from safetensors.torch import load_file, save_file
+
+    _, directory = converted_init(tmp_path, MHAR)
+    weights = load_file(directory / "model.safetensors")
+    weights["blocks.0.mlp.up.weight"][0, 0] = float("nan")
+    save_file(weights, directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("name", ["fit", "generate"])
+def test_nan_weights_of_a_converted_directory_are_refused(
+    name: str, nan_converted: Path, trained_mhar_run, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "out"
+    if name == "fit":
+        args = ["fit", "--model.init_from", str(nan_converted), "--data.path", str(trained_mhar_run[1])]
+        args += ["--data.tokenizer", "byte", "--data.seq_len", "16", "--trainer.max_steps", "1"]
+        args += ["--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(out)]
+    else:
+        args = ["generate", str(nan_converted), "--tokenizer", "byte", "--prompt", "x", "--max-new-tokens", "2"]
+    code, _, err = run(args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].endswith(
+        f": error: checkpoint {nan_converted} has non-finite weights (1 of 49 tensors, first blocks.0.mlp.up.weight):"
+        " training had diverged when it was saved; use an earlier checkpoint"
+    )
