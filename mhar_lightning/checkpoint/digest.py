@@ -132,10 +132,9 @@ def verify_folder_digest(folder: Path) -> None:
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{record} is damaged: use an intact copy of the checkpoint (an earlier save)") from None
     for name, recorded in names.items():
-        path = folder / name
         if Path(name).name != name or name in (".", ".."):
             raise CheckpointError(f"{record} names {name!r}, not a file of its folder: use a checkpoint you trust")
-        algorithm = recorded.partition(":")[0]
+        path, algorithm = folder / name, recorded.partition(":")[0]
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from sharded checkpoint {folder}: use an intact copy")
         if algorithm not in hashlib.algorithms_guaranteed or file_digest(path, algorithm) != recorded:
