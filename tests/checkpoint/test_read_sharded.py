@@ -23,10 +23,10 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
-def sharded(root: Path, extra: dict | None = None) -> Path:
+def sharded(root: Path, extra: dict | None = None, weights: dict | None = None) -> Path:
     """A one-process sharded checkpoint (torch.distributed.checkpoint) in the layout `mhar consolidate` reads."""
     out = root / "sharded"
-    state = {"state_dict": torch.nn.Linear(4, 3).state_dict(), **(extra or {})}
+    state = {"state_dict": weights or torch.nn.Linear(4, 3).state_dict(), **(extra or {})}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         save(state, checkpoint_id=out, no_dist=True)
@@ -119,3 +119,16 @@ def test_a_sharded_checkpoint_on_one_device_names_the_fix(tmp_path: Path, capsys
         f" merge it with `mhar consolidate {directory} OUT.ckpt` and pass OUT.ckpt"
     ]
     assert not root.exists()
+
+
+def test_consolidate_refuses_nan_weights(tmp_path: Path, capsys) -> None:
+    weights = torch.nn.Linear(4, 3).state_dict()
+    weights["bias"][1] = float("nan")
+    directory = sharded(tmp_path, weights=weights)
+    code, _, err = run(["consolidate", str(directory), str(tmp_path / "out.ckpt")], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"mhar: error: checkpoint {directory} has non-finite weights (1 of 2 tensors, first bias): training had"
+        " diverged when it was saved; use an earlier checkpoint"
+    ]
+    assert not (tmp_path / "out.ckpt").exists()
