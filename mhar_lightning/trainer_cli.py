@@ -201,7 +201,8 @@ class MharCLI(LightningCLI):
         if self.subcommand is not None:  # a run, not a config being inspected (run=False)
             self.datamodule.check(self.trainer.world_size, validate=self.trainer.limit_val_batches > 0)
         if is_sharded_checkpoint(ckpt_path):
-            check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
+            # before Lightning unpickles anything from it; rank 0 alone hashes it (its refusal stops the launch)
+            check_sharded_checkpoint(ckpt_path, verify=self.trainer.global_rank == 0)
             if not isinstance(self.trainer.strategy, ModelParallelStrategy):
                 raise ConfigError(
                     f"--ckpt_path {ckpt_path} is a sharded checkpoint, which only ModelParallelStrategy reads: run with"

@@ -101,10 +101,11 @@ class _WeightsOnlyItems:
             ) from None
 
 
-def check_sharded_checkpoint(path: str | Path) -> Metadata:
-    """Verify `path`'s files against its digest, then read its metadata and every non-tensor item safely; raises
-    `CheckpointError` on a changed file, a path outside the folder or anything executable."""
-    verify_folder_digest(Path(path))
+def check_sharded_checkpoint(path: str | Path, verify: bool = True) -> Metadata:
+    """Verify `path`'s files against its digest (unless not `verify`), then read its metadata and every non-tensor
+    item safely; raises `CheckpointError` on a changed file, a path outside the folder or anything executable."""
+    if verify:
+        verify_folder_digest(Path(path))
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
