@@ -10,6 +10,7 @@ from cli_helpers import DEMO
 from test_cli import run
 from torch.distributed.checkpoint import FileSystemReader, load, save
 
+from mhar_lightning.checkpoint.digest import record_sharded_digest
 from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint
 
 
@@ -132,3 +133,34 @@ def test_consolidate_refuses_nan_weights(tmp_path: Path, capsys) -> None:
         " diverged when it was saved; use an earlier checkpoint"
     ]
     assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "consolidate"])
+def test_a_changed_shard_is_refused_before_anything_is_read(tmp_path: Path, capsys, command: str) -> None:
+    directory = sharded(tmp_path)
+    record_sharded_digest(directory, rank=0)  # as the run that wrote it records it
+    shard = directory / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    if command == "consolidate":
+        written = tmp_path / "out.ckpt"
+        args = [command, str(directory), str(written)]
+    else:
+        written = tmp_path / "run"
+        args = [
+            command,
+            "--config",
+            str(DEMO),
+            "--trainer.default_root_dir",
+            str(written),
+            "--ckpt_path",
+            str(directory),
+        ]
+    code, _, err = run(args, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"mhar: error: checkpoint {shard} differs from the content digest recorded when it was written (damaged on"
+        " disk or in transfer, or edited), so it was not loaded: use an intact copy, e.g. an earlier save"
+    ]
+    assert not written.exists() and shard.read_bytes() == data
