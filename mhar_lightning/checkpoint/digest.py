@@ -23,6 +23,8 @@ from mhar_lightning.errors import CheckpointError
 ALGORITHM = "sha256"
 DIGEST_KEY = "content_digest"
 DIGEST_FILE = "content_digest.json"
+DIGEST_TMP = f".{DIGEST_FILE}.tmp"
+OWN_FILES = (DIGEST_FILE, DIGEST_TMP)
 CHUNK = 16 * 2**20
 MAX_THREADS = 16  # files of a sharded folder hashed at once
 PLAIN = (bool, int, float, str, bytes)
@@ -97,8 +99,7 @@ def file_digest(path: Path, algorithm: str = ALGORITHM) -> str:
 
 def write_folder_digest(folder: Path, digests: Mapping[str, str]) -> None:
     """Record the digests of a sharded folder's files (name -> `file_digest`) in its `DIGEST_FILE`, atomically."""
-    target = folder / DIGEST_FILE
-    tmp = target.with_name(f".{DIGEST_FILE}.tmp")
+    target, tmp = folder / DIGEST_FILE, folder / DIGEST_TMP
     tmp.write_text(json.dumps({"files": dict(sorted(digests.items()))}, indent=1))
     os.replace(tmp, target)
 
@@ -111,7 +112,7 @@ def record_sharded_digest(folder: Path, rank: int) -> None:
     """
     own = {path.name: file_digest(path) for path in folder.glob(f"__{rank}_*.distcp")}
     if rank == 0:
-        rest = [p for p in folder.iterdir() if p.is_file() and p.suffix != ".distcp" and p.name != DIGEST_FILE]
+        rest = [p for p in folder.iterdir() if p.is_file() and p.suffix != ".distcp" and p.name not in OWN_FILES]
         own |= {path.name: file_digest(path) for path in rest}
     gathered = [own]
     if dist.is_available() and dist.is_initialized():
