@@ -2,7 +2,8 @@
 
 A 100m model's checkpoint as `mhar fit` writes it (fp32 weights and AdamW's two moments), on CPU: the time to
 write it (`AtomicCheckpointIO`, digest included), to compute the digest alone, and to read it back: the file's
-bytes (the floor of any check), its digest, its finiteness, and both as every command does (`read_checkpoint`).
+bytes (the floor of any check), its digest, the finiteness of its weights (every command) and of its optimizer state
+(`fit` when resuming), and the digest and weights together as every command reads it (`read_checkpoint`).
 
     python benchmarks/checkpoint_digest.py [--preset 100m] [--dir /tmp]
 """
@@ -16,7 +17,7 @@ import torch
 
 from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO
 from mhar_lightning.checkpoint.digest import content_digest, verify_digest
-from mhar_lightning.checkpoint.finite import check_finite_checkpoint
+from mhar_lightning.checkpoint.finite import check_finite_optimizer, check_finite_state
 from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.model import Decoder
@@ -51,7 +52,8 @@ def main() -> None:
         timed("read the file's bytes (the floor)", path.read_bytes, size)
         loaded = read_checkpoint(path, verify=False)  # memory-mapped: nothing is read yet
         timed("verify its digest", lambda: verify_digest(loaded, path), size)
-        timed("check it is finite", lambda: check_finite_checkpoint(loaded, str(path)), size)
+        timed("check its weights are finite", lambda: check_finite_state(loaded["state_dict"], str(path)), size)
+        timed("check its optimizer state is finite", lambda: check_finite_optimizer(loaded, str(path)), size)
         timed("read and verify (every command)", lambda: read_checkpoint(path), size)
     finally:
         path.unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
 from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO, remove_stale_temporaries
+from mhar_lightning.checkpoint.finite import check_finite_optimizer
 from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.checkpoint.resume_args import runtime_overrides
@@ -127,7 +128,10 @@ class MharCLI(LightningCLI):
         config.ckpt_path = path
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
-        hparams = read_checkpoint(path).get("hyper_parameters") or {}  # verified: the first read of the file
+        checkpoint = read_checkpoint(path)  # verified: the first read of the file
+        if subcommand == "fit":
+            check_finite_optimizer(checkpoint, path)  # resuming applies it to every later step
+        hparams = checkpoint.get("hyper_parameters") or {}
         given_model = given_model.as_dict() if given_model is not None else {}
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
         arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them

@@ -1,4 +1,4 @@
-"""Refuse a checkpoint whose weights or optimizer state are not finite: loading it would train or report NaN."""
+"""Refuse a checkpoint whose weights (or, to resume, optimizer state) are not finite: it would train or report NaN."""
 
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -40,9 +40,9 @@ def check_finite_state(state: Mapping[str, Any], source: str) -> None:
         )
 
 
-def check_finite_checkpoint(checkpoint: Mapping[str, Any], source: str) -> None:
-    """Refuse a Lightning checkpoint whose weights or optimizer state hold a NaN or an infinity."""
-    check_finite_state(checkpoint.get("state_dict") or {}, source)
+def check_finite_optimizer(checkpoint: Mapping[str, Any], source: str) -> None:
+    """Refuse to resume from a Lightning checkpoint whose optimizer state holds a NaN or an infinity (its weights
+    may still be finite, e.g. after an overflowing second moment, and stay usable for everything but resuming)."""
     bad = next(nonfinite_tensors(checkpoint.get("optimizer_states") or [], "optimizer_states"), None)
     if bad is not None:
         raise CheckpointError(

@@ -1,5 +1,5 @@
-"""Reading a single-file Lightning checkpoint: verified against its content digest, with finite weights and optimizer
-state, or one line naming the fix."""
+"""Reading a single-file Lightning checkpoint: verified against its content digest, with finite weights, or one line
+naming the fix."""
 
 import pickle
 import zipfile
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mhar_lightning.checkpoint.digest import verify_digest
-from mhar_lightning.checkpoint.finite import check_finite_checkpoint
+from mhar_lightning.checkpoint.finite import check_finite_state
 from mhar_lightning.checkpoint.read_sharded import is_sharded_checkpoint
 from mhar_lightning.errors import CheckpointError
 
@@ -17,7 +17,7 @@ from mhar_lightning.errors import CheckpointError
 def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
     """The checkpoint at `path`, memory-mapped and read with `weights_only=True`; `CheckpointError` if unusable.
 
-    `verify` checks its content digest and that its weights and optimizer state are finite (a pass over the file);
+    `verify` checks its content digest and that its weights are finite (a pass over the file);
     only a caller that reads a file verified just before in the same process skips it.
     """
     path = Path(path)
@@ -42,5 +42,5 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
         )
     if verify:
         verify_digest(checkpoint, path)
-        check_finite_checkpoint(checkpoint, str(path))
+        check_finite_state(checkpoint["state_dict"], str(path))
     return checkpoint
