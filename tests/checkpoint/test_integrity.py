@@ -124,48 +124,8 @@ def test_inf_in_the_optimizer_state_is_refused_to_resume_and_still_validates(
     assert code == 0, err  # the weights are finite: validation does not use the optimizer state
 
 
-def test_an_intact_checkpoint_is_read_and_its_digest_covers_every_value(ckpt: Path, trained_mhar_run) -> None:
-    """The reference: an unchanged checkpoint evaluates; the digest also changes with a plain value (the step)."""
-    from mhar_lightning.checkpoint.digest import content_digest
-
-    state = load(ckpt)
-    assert content_digest(state) == state[DIGEST_KEY]
-    assert content_digest({**state, "global_step": state["global_step"] + 1}) != state[DIGEST_KEY]
-    with pytest.raises(SystemExit) as done:
-        from mhar_lightning.cli import main
-
-        main(command("evaluate", ckpt, trained_mhar_run[1], ckpt.parent / "out"))
-    assert done.value.code == 0
-
-
-@pytest.fixture
-def nan_converted(tmp_path: Path) -> Path:
-    """A converted directory (`mhar convert-hf`'s layout) of a random tiny MHAR model with one NaN weight."""
-    from fsdp_helpers import MHAR, converted_init
-    from safetensors.torch import load_file, save_file
-
-    _, directory = converted_init(tmp_path, MHAR)
-    weights = load_file(directory / "model.safetensors")
-    weights["blocks.0.mlp.up.weight"][0, 0] = float("nan")
-    save_file(weights, directory / "model.safetensors")
-    return directory
-
-
-@pytest.mark.parametrize("name", ["fit", "generate"])
-def test_nan_weights_of_a_converted_directory_are_refused(
-    name: str, nan_converted: Path, trained_mhar_run, tmp_path: Path, capsys
-) -> None:
-    out = tmp_path / "out"
-    if name == "fit":
-        args = ["fit", "--model.init_from", str(nan_converted), "--data.path", str(trained_mhar_run[1])]
-        args += ["--data.tokenizer", "byte", "--data.seq_len", "16", "--trainer.max_steps", "1"]
-        args += ["--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(out)]
-    else:
-        args = ["generate", str(nan_converted), "--tokenizer", "byte", "--prompt", "x", "--max-new-tokens", "2"]
-    code, _, err = run(args, capsys)
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, err
-    assert lines[0].endswith(
-        f": error: checkpoint {nan_converted} has non-finite weights (1 of 49 tensors, first blocks.0.mlp.up.weight):"
-        " training had diverged when it was saved; use an earlier checkpoint"
-    )
+def test_an_intact_copy_is_read(ckpt: Path, trained_mhar_run, tmp_path: Path, capsys) -> None:
+    """The reference for the refusals above: the same copy, unchanged, evaluates."""
+    code, _, err = run(command("evaluate", ckpt, trained_mhar_run[1], tmp_path / "out"), capsys)
+    assert code == 0, err
+    assert (tmp_path / "out" / "scores.json").is_file()
