@@ -1,11 +1,13 @@
 """Lightning's `ModelCheckpoint` without its two ways of leaving the newest training state unnamed."""
 
 import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from mhar_lightning.checkpoint.digest import record_sharded_digest
 from mhar_lightning.divergence import weights_finite
 from mhar_lightning.errors import TrainingDiverged
 
@@ -20,6 +22,7 @@ class FinalStepCheckpoint(ModelCheckpoint):
     `last.ckpt` of the directory it resumed from. A fresh run never overwrites an earlier run's `last.ckpt`.
     A run stopped by SIGTERM (a scheduler's preemption) between training steps saves the step it stopped at.
     Weights that are not finite are never saved: the run stops instead, keeping the last finite checkpoint.
+    A sharded checkpoint records the digest of its files (a single file records its own as it is written).
     """
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -60,3 +63,5 @@ class FinalStepCheckpoint(ModelCheckpoint):
                 " not written: lower --model.optimizer.lr and resume from the last checkpoint (--ckpt_path last)"
             )
         super()._save_checkpoint(trainer, filepath)
+        if os.path.isdir(filepath):  # sharded: a folder written by every rank, whose digest they record together
+            record_sharded_digest(Path(filepath), trainer.global_rank)

@@ -6,7 +6,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from mhar_lightning.errors import CheckpointError, TrainingDiverged
+from mhar_lightning.errors import TrainingDiverged
 
 
 class NonFiniteGuard:
@@ -103,22 +103,13 @@ def skips_on_device(optimizer: torch.optim.Optimizer | None) -> bool:
 
 def weights_finite(module: torch.nn.Module, trainer: L.Trainer) -> bool:
     """Whether every parameter and buffer of `module` is finite on every rank (each rank checks its own shards)."""
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in [*module.parameters(), *module.buffers()]]
+    return tensors_finite([*module.parameters(), *module.buffers()], trainer)
+
+
+def tensors_finite(tensors: list[Tensor], trainer: L.Trainer) -> bool:
+    """Whether every floating-point tensor of `tensors` is finite on every rank (each rank checks its own shards)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     finite = [torch.isfinite(t).all() for t in tensors if t.is_floating_point() and t.numel()]
     device = trainer.strategy.root_device
     bad = (~torch.stack(finite).all()).float().to(device) if finite else torch.zeros((), device=device)
     return float(trainer.strategy.reduce(bad, reduce_op="sum")) == 0
-
-
-def check_finite_state(state: dict[str, Tensor], source: str) -> None:
-    """Refuse a state dict with a non-finite tensor (a checkpoint saved after training diverged)."""
-    bad = [
-        name
-        for name, t in state.items()
-        if isinstance(t, Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
-    ]
-    if bad:
-        raise CheckpointError(
-            f"checkpoint {source} has non-finite weights ({len(bad)} of {len(state)} tensors, first {bad[0]}):"
-            " training had diverged when it was saved; use an earlier checkpoint"
-        )

@@ -15,10 +15,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mhar_lightning.callbacks import SameWorldSize
+from mhar_lightning.checkpoint.finite import check_finite_state
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
-from mhar_lightning.divergence import NonFiniteGuard, check_finite_state
+from mhar_lightning.divergence import NonFiniteGuard, tensors_finite
 from mhar_lightning.dtypes import dtype_from_name
+from mhar_lightning.errors import CheckpointError
 from mhar_lightning.loss import chunked_cross_entropy
 from mhar_lightning.model import Decoder
 from mhar_lightning.optim import OptimizerConfig, build_optimizer
@@ -197,6 +199,7 @@ class LanguageModel(L.LightningModule):
                 f"init_from={self.init_from} holds tensors that its mhar_config.json does not describe (first "
                 f"differences: {diff}); convert it again with `mhar convert-hf`"
             )
+        check_finite_state(state, self.init_from)
         if not sharded:
             decoder.load_state_dict(state)
             return
@@ -291,9 +294,19 @@ class LanguageModel(L.LightningModule):
         self.nonfinite.settle()  # the last steps' flags, read on the device's time so far
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse weights that are not finite (a checkpoint saved after training diverged)."""
-        source = self._trainer.ckpt_path if self._trainer is not None else None
-        check_finite_state(checkpoint.get("state_dict", {}), str(source or "being loaded"))
+        """Refuse weights (and a sharded checkpoint's optimizer state) that are not finite: a checkpoint saved after
+        training diverged (`mhar` checks a single file's optimizer state when it reads the file)."""
+        source = str((self._trainer.ckpt_path if self._trainer is not None else None) or "being loaded")
+        if "state_dict" in checkpoint or self._trainer is None:
+            check_finite_state(checkpoint.get("state_dict", {}), source)
+            return
+        # sharded (ModelParallelStrategy): already loaded into this rank's shards of the model and optimizer
+        state = [t for o in self.trainer.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+        if not tensors_finite([*self.parameters(), *self.buffers(), *state], self.trainer):
+            raise CheckpointError(
+                f"checkpoint {source} has non-finite weights or optimizer state: training had diverged when it was"
+                " saved; use an earlier checkpoint"
+            )
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""

@@ -19,13 +19,16 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
-from mhar_lightning.checkpoint_config import runtime_overrides
-from mhar_lightning.checkpoint_file import read_checkpoint
-from mhar_lightning.checkpoint_io import AtomicCheckpointIO, remove_stale_temporaries
+from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO, remove_stale_temporaries
+from mhar_lightning.checkpoint.finite import check_finite_optimizer
+from mhar_lightning.checkpoint.read_file import read_checkpoint
+from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint, is_sharded_checkpoint
+from mhar_lightning.checkpoint.resume_args import runtime_overrides
 from mhar_lightning.config import VOCAB_MULTIPLE, check_fields, padded_vocab
 from mhar_lightning.convert import check_data_tokenizer
 from mhar_lightning.data import ShardIndex, TokenDataModule
@@ -38,7 +41,6 @@ from mhar_lightning.residual import RESIDUALS
 from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.run_folder import RunLock, check_fresh_run, last_checkpoint
-from mhar_lightning.sharded_checkpoint import check_sharded_checkpoint, is_sharded_checkpoint
 from mhar_lightning.tools import TOOLS
 
 UNKNOWN_OPTION = re.compile(r"^unrecognized arguments: (\S+)|does not accept option '([^']+)'")
@@ -137,7 +139,10 @@ class MharCLI(LightningCLI):
         config.ckpt_path = path
         given = getattr(self, "given", None)
         given_model = given.get(f"{subcommand}.model") if given is not None else None
-        hparams = read_checkpoint(path).get("hyper_parameters") or {}
+        checkpoint = read_checkpoint(path)  # verified: the first read of the file
+        if subcommand == "fit":
+            check_finite_optimizer(checkpoint, path)  # resuming applies it to every later step
+        hparams = checkpoint.get("hyper_parameters") or {}
         check_stored_residual(hparams.get("residual"), f"checkpoint {path}")
         given_model = given_model.as_dict() if given_model is not None else {}
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
@@ -212,7 +217,14 @@ class MharCLI(LightningCLI):
         if self.subcommand is not None:  # a run, not a config being inspected (run=False)
             self.datamodule.check(self.trainer.world_size, validate=self.trainer.limit_val_batches > 0)
         if is_sharded_checkpoint(ckpt_path):
-            check_sharded_checkpoint(ckpt_path)  # before Lightning unpickles anything from it
+            # before Lightning unpickles anything from it; rank 0 alone hashes it (its refusal stops the launch)
+            check_sharded_checkpoint(ckpt_path, verify=self.trainer.global_rank == 0)
+            if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+                raise ConfigError(
+                    f"--ckpt_path {ckpt_path} is a sharded checkpoint, which only ModelParallelStrategy reads: run with"
+                    " --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy on the devices that wrote"
+                    f" it, or merge it with `mhar consolidate {ckpt_path} OUT.ckpt` and pass OUT.ckpt"
+                )
         check_checkpoint_vocab(ckpt_path, config.checkpoint.dirpath, self.datamodule)
         check_data(self.model, self.datamodule)
         if self.subcommand == "fit":
@@ -339,7 +351,7 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
     ckpt_path = checkpoint_file(ckpt_path, checkpoint_dir)
     if not ckpt_path or not Path(ckpt_path).is_file():
         return
-    checkpoint = read_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path, verify=False)  # verified when `MharCLI._parse_ckpt_path` read it
     vocab = checkpoint.get("hyper_parameters", {}).get("vocab_size")
     trained_with = checkpoint.get("datamodule_hyper_parameters", {}).get(
         "tokenizer", "the tokenizer it was trained with"

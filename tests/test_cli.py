@@ -12,8 +12,8 @@ import yaml
 from cli_helpers import DEMO, copy_run, fast_demo_args, scalars
 from lightning.pytorch.loggers import TensorBoardLogger
 
-import mhar_lightning.checkpoint_io
-from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+import mhar_lightning.checkpoint.atomic_write
+from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO
 from mhar_lightning.cli import main
 from mhar_lightning.run_folder import LOCK_FILE
 from mhar_lightning.trainer_cli import MharCLI
@@ -161,7 +161,7 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path: Path, monke
         f.truncate()
         raise OSError("disk full")
 
-    monkeypatch.setattr(mhar_lightning.checkpoint_io.torch, "save", save_half_then_crash)
+    monkeypatch.setattr(mhar_lightning.checkpoint.atomic_write.torch, "save", save_half_then_crash)
     code, _, err = run([*fast_demo_args(tmp_path, max_steps=4), "--ckpt_path", "last"], capsys)
     assert code == 2 and "failed (disk full;" in err
     monkeypatch.undo()

@@ -10,7 +10,7 @@ import torch
 from cli_helpers import DEMO, copy_run, fast_demo_args
 from test_cli import run
 
-import mhar_lightning.checkpoint_io
+import mhar_lightning.checkpoint.atomic_write
 import mhar_lightning.preflight
 from mhar_lightning.cli import main
 from mhar_lightning.data.prepare import prepare_files
@@ -97,7 +97,7 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(
         f.write(b"\0" * 1000)
         raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file")
 
-    monkeypatch.setattr(mhar_lightning.checkpoint_io.torch, "save", save_half_then_fail)
+    monkeypatch.setattr(mhar_lightning.checkpoint.atomic_write.torch, "save", save_half_then_fail)
     code, _, err = run([*fast_demo_args(tmp_path, max_steps=4), "--ckpt_path", "last"], capsys)
     assert code == 2
     assert last_line(err).startswith(

@@ -7,16 +7,18 @@ process, and writes a regular Lightning checkpoint that `LanguageModel.load_from
 """
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import TensorStorageMetadata, load
 
-from mhar_lightning.checkpoint_io import AtomicCheckpointIO
+from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO
+from mhar_lightning.checkpoint.finite import check_finite_state
+from mhar_lightning.checkpoint.read_sharded import META_FILE, SafeFileSystemReader, check_sharded_checkpoint
 from mhar_lightning.dtypes import DTYPES
 from mhar_lightning.errors import CheckpointError
-from mhar_lightning.sharded_checkpoint import META_FILE, SafeFileSystemReader, check_sharded_checkpoint
 
 MODEL_KEY = "state_dict"
 
@@ -42,6 +44,7 @@ def consolidate(sharded_dir: str | Path, out: str | Path, dtype: torch.dtype | N
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent
         load({MODEL_KEY: state}, storage_reader=reader, no_dist=True)
+    check_finite_state(state, str(sharded_dir))
     checkpoint[MODEL_KEY] = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
     try:
         AtomicCheckpointIO().save_checkpoint(checkpoint, out)  # a temporary file renamed into place: no partial OUT
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = consolidate(args.sharded_dir, args.out, DTYPES.get(args.dtype))
     except OSError as error:
-        parser.error(str(error))
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

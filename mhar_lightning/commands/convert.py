@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, save_converted
 from mhar_lightning.convert.export import export_hf, export_training_checkpoint
 from mhar_lightning.convert.safetensors_io import DEFAULT_SHARD_SIZE, ConversionError, parse_size

@@ -14,7 +14,7 @@ from rich.table import Table
 from torch import Tensor
 
 from mhar_lightning.callbacks.plots import depth_grid_figure
-from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.data.datamodule import TokenDataModule
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.probe import DepthMaps, routers_of, run_probe

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-from mhar_lightning.checkpoint_file import read_checkpoint
+from mhar_lightning.checkpoint.finite import check_finite_state
+from mhar_lightning.checkpoint.read_file import read_checkpoint
+from mhar_lightning.checkpoint.read_sharded import META_FILE
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, load_decoder
 from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer, ships_tokenizer
@@ -16,7 +18,6 @@ from mhar_lightning.model import Decoder
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.residual import make_residual
 from mhar_lightning.residual.trust import add_residual_option, check_stored_residual
-from mhar_lightning.sharded_checkpoint import META_FILE
 
 
 @dataclass
@@ -50,6 +51,7 @@ def load_model(
     init_from = None
     if path.is_dir() and (path / CONFIG_FILE).is_file():  # a converted directory ships its source's tokenizer
         model, recorded = load_decoder(path), str(path) if ships_tokenizer(path) else None
+        check_finite_state(model.state_dict(), str(path))
     elif path.is_dir() and (path / META_FILE).is_file():
         raise ValueError(f"{path} is a sharded checkpoint: merge it first with `mhar consolidate {path} model.ckpt`")
     elif path.is_dir():

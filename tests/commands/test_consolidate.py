@@ -1,13 +1,18 @@
 """`mhar consolidate`: a sharded FSDP2 checkpoint becomes one file whose weights equal the gathered shards."""
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from fsdp_helpers import MHAR, converted_init, run_ranks, tiny_corpus
+from test_cli import run
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
+from mhar_lightning.checkpoint.digest import DIGEST_FILE, record_sharded_digest
 from mhar_lightning.commands import consolidate as consolidate_module
 from mhar_lightning.commands.consolidate import main
 from mhar_lightning.module import LanguageModel
@@ -59,11 +64,16 @@ def test_a_consolidated_checkpoint_validates_on_one_device_and_refuses_to_resume
         L.Trainer(**options, max_steps=6).fit(model, loader, ckpt_path=tmp_path / "model.ckpt")
 
 
+def refused(args: list[str], capsys: pytest.CaptureFixture) -> str:
+    """The one line `mhar consolidate ARGS` prints on stderr (exit code 2)."""
+    code, _, err = run(["consolidate", *args], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    return lines[0]
+
+
 def test_consolidate_names_the_fix_for_a_wrong_path(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(tmp_path), str(tmp_path / "out.ckpt")])
-    assert exit_info.value.code == 2
-    assert "not a sharded checkpoint directory" in capsys.readouterr().err
+    assert "not a sharded checkpoint directory" in refused([str(tmp_path), str(tmp_path / "out.ckpt")], capsys)
 
 
 @pytest.mark.parametrize(
@@ -79,10 +89,8 @@ def test_consolidate_refuses_an_existing_out_before_reading_the_shards(
     out = tmp_path / "out"
     out.mkdir() if existing == "folder" else out.write_bytes(b"a finished checkpoint")
     monkeypatch.setattr(consolidate_module, "load", lambda *args, **kwargs: pytest.fail("read the shards"))
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(sharded_run / "ckpt" / "last.ckpt"), str(out)])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "mhar consolidate: error: " + message.format(out=out)
+    line = refused([str(sharded_run / "ckpt" / "last.ckpt"), str(out)], capsys)
+    assert line == "mhar consolidate: error: " + message.format(out=out)
     assert out.is_dir() if existing == "folder" else out.read_bytes() == b"a finished checkpoint"
 
 
@@ -95,11 +103,50 @@ def test_a_failed_write_leaves_no_out_file(
         raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
     monkeypatch.setattr(torch, "save", short_write)
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(sharded_run / "ckpt" / "last.ckpt"), str(tmp_path / "model.ckpt")])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
+    assert refused([str(sharded_run / "ckpt" / "last.ckpt"), str(tmp_path / "model.ckpt")], capsys) == (
         f"mhar consolidate: error: writing {tmp_path / 'model.ckpt'} failed (PytorchStreamWriter failed writing file "
         "data/0: file write failed): free space or choose another OUT; no file was left"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sharded_checkpoint_records_each_files_digest_and_a_changed_shard_is_refused(
+    tmp_path: Path, sharded_run: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder = Path(shutil.copytree((sharded_run / "ckpt" / "last.ckpt").resolve(), tmp_path / "sharded"))
+    recorded = json.loads((folder / DIGEST_FILE).read_text())["files"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    for name, digest in recorded.items():
+        assert digest == "sha256:" + hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x08
+    shard.write_bytes(data)
+    assert refused([str(folder), str(tmp_path / "model.ckpt")], capsys) == (
+        f"mhar: error: checkpoint {shard} differs from the content digest recorded when it was written (damaged on"
+        " disk or in transfer, or edited), so it was not loaded: use an intact copy, e.g. an earlier save"
+    )
+    assert not (tmp_path / "model.ckpt").exists() and shard.read_bytes() == data
+
+
+def test_resuming_a_sharded_checkpoint_with_inf_optimizer_state_is_refused_on_every_rank(
+    tmp_path: Path, sharded_run: Path
+) -> None:
+    """Written again with one infinite moment and a digest that matches (as a run would have saved it)."""
+    source = (sharded_run / "ckpt" / "last.ckpt").resolve()
+    dcp_to_torch_save(source, tmp_path / "full.pt")
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    moments = next(iter(state["optimizer_0"]["state"].values()))
+    moments["exp_avg_sq"].view(-1)[0] = float("inf")
+    torch.save(state, tmp_path / "full.pt")
+    poisoned = tmp_path / "inf"
+    torch_save_to_dcp(tmp_path / "full.pt", poisoned)
+    shutil.copy(source / "meta.pt", poisoned / "meta.pt")
+    record_sharded_digest(poisoned, rank=0)
+    root = sharded_run.parent
+    args = ["--out", str(tmp_path / "run"), "--data", str(root / "corpus"), "--init", str(root / "init-MHAR-tied")]
+    result = run_ranks(*args, "--residual", json.dumps(MHAR), "--fsdp", "--devices", "2", "--steps", "6",
+                       "--resume", str(poisoned))  # fmt: skip
+    assert result.returncode != 0
+    line = f"checkpoint {poisoned} has non-finite weights or optimizer state: training had diverged when it was saved"
+    assert result.stdout.count(line) == 2, result.stdout[-3000:]  # every rank stops on the reduced decision

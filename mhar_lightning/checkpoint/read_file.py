@@ -1,4 +1,5 @@
-"""Reading a single-file Lightning checkpoint, with one line naming the fix when it cannot be used."""
+"""Reading a single-file Lightning checkpoint: verified against its content digest, with finite weights, or one line
+naming the fix."""
 
 import pickle
 import zipfile
@@ -7,12 +8,18 @@ from typing import Any
 
 import torch
 
+from mhar_lightning.checkpoint.digest import verify_digest
+from mhar_lightning.checkpoint.finite import check_finite_state
+from mhar_lightning.checkpoint.read_sharded import is_sharded_checkpoint
 from mhar_lightning.errors import CheckpointError
-from mhar_lightning.sharded_checkpoint import is_sharded_checkpoint
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint at `path`, memory-mapped and read with `weights_only=True`; `CheckpointError` if unusable."""
+def read_checkpoint(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The checkpoint at `path`, memory-mapped and read with `weights_only=True`; `CheckpointError` if unusable.
+
+    `verify` checks its content digest and that its weights are finite (a pass over the file);
+    only a caller that reads a file verified just before in the same process skips it.
+    """
     path = Path(path)
     if is_sharded_checkpoint(path):
         raise CheckpointError(
@@ -33,4 +40,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a Lightning checkpoint (no state_dict): pass a .ckpt written by `mhar fit`"
         )
+    if verify:
+        verify_digest(checkpoint, path)
+        check_finite_state(checkpoint["state_dict"], str(path))
     return checkpoint

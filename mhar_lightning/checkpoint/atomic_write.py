@@ -1,4 +1,5 @@
-"""Crash-safe checkpoint files: write beside the target, fsync, then atomically rename over it."""
+"""Crash-safe checkpoint files: write beside the target, fsync, then atomically rename over it; each records its
+content digest."""
 
 import os
 import shutil
@@ -12,6 +13,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from mhar_lightning.checkpoint.digest import with_digest
 from mhar_lightning.errors import CheckpointError
 
 TMP_SUFFIX = ".tmp"
@@ -25,10 +27,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     folder and moves it into place; when that folder is on another filesystem (a local /tmp, checkpoints on a
     network disk) the move is a copy that a crash can cut short, and nothing is fsynced. Here the temp file
     lives in the target's folder, is fsynced, and `os.replace` swaps it in, so `last.ckpt` is always either
-    the previous complete checkpoint or the new one. Remote (fsspec) paths keep Lightning's behaviour.
+    the previous complete checkpoint or the new one. Every checkpoint records its content digest (`with_digest`),
+    which each command that reads it verifies. Remote (fsspec) paths keep Lightning's behaviour.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        checkpoint = with_digest(checkpoint)
         fs = get_filesystem(path)
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             super().save_checkpoint(checkpoint, path, storage_options)

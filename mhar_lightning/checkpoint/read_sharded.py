@@ -1,9 +1,11 @@
-"""Reading sharded (torch.distributed.checkpoint) checkpoints without running code that a checkpoint carries.
+"""Reading sharded (torch.distributed.checkpoint) checkpoints without running code that a checkpoint carries, reading
+files outside its folder, or using content that differs from its recorded digest.
 
 torch's `FileSystemReader` unpickles `.metadata` with `pickle.load`, and its default planner loads non-tensor items
 with `torch.load(weights_only=False)`, so a planted pickle in a checkpoint directory runs when the directory is
 read. Here `.metadata` is unpickled with an allow-list of torch's checkpoint-metadata types, and every non-tensor
-item is read with `torch.load(weights_only=True)` before torch (or Lightning) reads the directory.
+item is read with `torch.load(weights_only=True)` before torch (or Lightning) reads the directory. Every file that
+`.metadata` names must lie inside the folder, and every file the folder's digest records must match it.
 """
 
 import io
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint import BytesStorageMetadata, FileSystemReader,
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from mhar_lightning.checkpoint.digest import verify_folder_digest
 from mhar_lightning.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -67,9 +70,22 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointError(f"{path} is damaged ({error}): use another checkpoint") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
+        check_contained(path, metadata)
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_contained(path: Path, metadata: Metadata) -> None:
+    """Refuse metadata (read from `path`) that names a storage file outside its folder (`../..`, an absolute path)."""
+    folder = path.parent.resolve()
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if not isinstance(relative, str) or not (folder / relative).resolve().is_relative_to(folder):
+            raise CheckpointError(
+                f"{path} names the file {relative!r}, outside its folder {path.parent}, so nothing was read: use a"
+                " checkpoint you trust (a sharded checkpoint keeps all its files in its folder)"
+            )
 
 
 class _WeightsOnlyItems:
@@ -85,8 +101,11 @@ class _WeightsOnlyItems:
             ) from None
 
 
-def check_sharded_checkpoint(path: str | Path) -> Metadata:
-    """Read `path`'s metadata and every non-tensor item safely; raises `CheckpointError` on anything executable."""
+def check_sharded_checkpoint(path: str | Path, verify: bool = True) -> Metadata:
+    """Verify `path`'s files against its digest (unless not `verify`), then read its metadata and every non-tensor
+    item safely; raises `CheckpointError` on a changed file, a path outside the folder or anything executable."""
+    if verify:
+        verify_folder_digest(Path(path))
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
