@@ -6,9 +6,11 @@ model_args="checkpoint=PATH", tasks=[...])` works. Needs the optional extra: `pi
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +165,20 @@ def results_table(results: dict) -> Table:
     return table
 
 
+def source_commit() -> str | None:
+    """The kit's commit (`git describe --always` in its source folder), or None outside a checkout or without git.
+
+    lm-eval records as `git_hash` the commit of the working directory, and lets git print `fatal: not a git
+    repository` outside one; `mhar lm-eval` records the kit's instead, quietly."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> int:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -195,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"unknown task {', '.join(unknown)}: see `lm-eval ls tasks`, or pass --include-path with its YAML"
             )
         model = MharLM(str(args.checkpoint), args.tokenizer, args.device, args.dtype, args.batch_size)
-        results = simple_evaluate(
-            model=model,
-            tasks=tasks,
-            num_fewshot=args.num_fewshot,
-            limit=args.limit,
-            task_manager=manager,
-            log_samples=False,
-        )
+        with mock.patch("lm_eval.evaluator.get_git_commit_hash", source_commit):
+            results = simple_evaluate(
+                model=model,
+                tasks=tasks,
+                num_fewshot=args.num_fewshot,
+                limit=args.limit,
+                task_manager=manager,
+                log_samples=False,
+            )
     except (ValueError, FileNotFoundError) as error:
         print(f"mhar lm-eval: error: {error}", file=sys.stderr)
         return 1
