@@ -69,7 +69,9 @@ class OptimizerConfig:
             if getattr(self, name) not in set(choices):
                 raise ValueError(f"optimizer.{name}={getattr(self, name)!r}: use one of {', '.join(choices)}")
         if self.muon_adjust_lr not in MUON_ADJUST_LR:
-            raise ValueError(f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}: use one of {', '.join(MUON_ADJUST_LR)}")
+            raise ValueError(
+                f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}: use one of {', '.join(MUON_ADJUST_LR)}"
+            )
         checks = {
             "lr": self.lr > 0,
             "weight_decay": self.weight_decay >= 0,

@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from mhar_lightning.arguments import closest_option
 from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, RunSummary, StepProgressBar
 from mhar_lightning.checkpoint_config import runtime_overrides
 from mhar_lightning.checkpoint_file import read_checkpoint
@@ -41,7 +42,6 @@ from mhar_lightning.tools import TOOLS
 FLOAT32_MATMUL_PRECISION = "high"
 """fp32 matmuls on GPUs may use TF32 (as LitGPT's and torchtitan's training scripts set): the recipes compute in bf16,
 so this touches only what stays in fp32 (a `32-true` run, evaluation in fp32), and Lightning's tip about it is gone."""
-UNKNOWN_OPTION = re.compile(r"^unrecognized arguments: (\S+)|does not accept option '([^']+)'")
 
 
 class MharArgumentParser(LightningArgumentParser):
@@ -51,16 +51,6 @@ class MharArgumentParser(LightningArgumentParser):
         if self.exit_on_error and "\n" not in message.strip():  # inner parsers raise, and catch, their own errors
             raise ConfigError(message + closest_option(getattr(ex, "subcommand_parser", None) or self, message))
         super().error(message, ex)
-
-
-def closest_option(parser: ArgumentParser, message: str) -> str:
-    """`; did you mean --key?` when `message` rejects an option (a flag or a config key) close to one of `parser`'s."""
-    match = UNKNOWN_OPTION.search(message)
-    if match is None:
-        return ""
-    given = "--" + (match.group(1) or match.group(2)).removeprefix("--").partition("=")[0]
-    close = difflib.get_close_matches(given, parser._option_string_actions, 1)
-    return f"; did you mean {close[0]}?" if close else ""
 
 
 class MharCLI(LightningCLI):

@@ -97,8 +97,13 @@ HIDDEN = (".attn.q.weight", ".attn.k.weight", ".attn.v.weight", ".attn.o.weight"
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(residual: str, tie: bool) -> None:
     model = Decoder(ModelConfig.preset("tiny", tie_embeddings=tie), residual)
     config = OptimizerConfig(
-        name="muon", lr=1e-3, weight_decay=0.1, routing_lr_mult=5.0, muon_lr=0.03, muon_weight_decay=0.01,
-        warmup_steps=0
+        name="muon",
+        lr=1e-3,
+        weight_decay=0.1,
+        routing_lr_mult=5.0,
+        muon_lr=0.03,
+        muon_weight_decay=0.01,
+        warmup_steps=0,
     )
     optimizer, _ = build_optimizer(model, config, total_steps=10)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -138,7 +143,9 @@ def steps_apart(model: torch.nn.Module, config: OptimizerConfig, batches: list[t
 
 def test_muon_steps_as_torchs_muon_and_adamw_apart_and_resumes_from_its_state_dict() -> None:
     torch.manual_seed(0)
-    config = OptimizerConfig(name="muon", lr=1e-2, weight_decay=0.0, warmup_steps=2, muon_lr=0.05, muon_weight_decay=0.1)
+    config = OptimizerConfig(
+        name="muon", lr=1e-2, weight_decay=0.0, warmup_steps=2, muon_lr=0.05, muon_weight_decay=0.1
+    )
     shape = ModelConfig.preset("tiny", n_layers=2)  # tied: no decayed AdamW group
     reference, model, resumed = Decoder(shape, "sum"), Decoder(shape, "sum"), Decoder(shape, "sum")
     model.load_state_dict(reference.state_dict())

@@ -4,7 +4,6 @@
 model_args="checkpoint=PATH", tasks=[...])` works. Needs the optional extra: `pip install "mhar-lightning[eval]"`.
 """
 
-import argparse
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ except ImportError as error:
 from rich.console import Console
 from rich.table import Table
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.eval.generate import generate
 from mhar_lightning.eval.loading import load_model
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mhar_lightning.eval.loading import add_model_options
 
-    parser = argparse.ArgumentParser(prog="mhar lm-eval", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="mhar lm-eval", description=__doc__.splitlines()[0])
     add_model_options(parser)
     parser.add_argument("--tasks", required=True, help="comma-separated task names, e.g. hellaswag,lambada_openai")
     parser.add_argument("--include-path", type=Path, help="a folder of task YAML files (e.g. tasks on local files)")

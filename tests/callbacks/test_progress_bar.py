@@ -103,7 +103,9 @@ def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: P
     ), lines[1]
     last = done.stdout.strip().splitlines()[-1]
     checkpoint = tmp_path / "checkpoints" / "last.ckpt"
-    assert re.fullmatch(rf"done: step 4/4 in \d+s \| val/loss \d\.\d{{3}} at step 3 \| checkpoint {checkpoint}", last), last
+    assert re.fullmatch(
+        rf"done: step 4/4 in \d+s \| val/loss \d\.\d{{3}} at step 3 \| checkpoint {checkpoint}", last
+    ), last
     for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec", "FLOPs", "Epoch 0", "Trainer.fit"):
         assert noise not in done.stdout + done.stderr, noise
 
