@@ -368,7 +368,8 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     paths = plots.write_plots(args.out, results, summaries, baseline)
     path = report.write(args.out, results, summaries, baseline, paths)
     title = f"{len(results)} runs" + (f" ({len(unfinished)} still to train)" if unfinished else "")
-    console.print(report.console_table(summaries, baseline, title))
+    for table in report.console_tables(summaries, baseline, title, console.width):
+        console.print(table)
     console.print(f"report: {path}")
     for line in report.suspect_runs(results):
         console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
