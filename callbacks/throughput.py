@@ -54,7 +54,8 @@ class TokenThroughputMonitor(L.Callback):
     window starts after it; the steps after the last full window are a shorter window at the end. Logged on global
     rank 0 at the step that ends each window, as `train/device/items_per_sec` (tokens/s per device),
     `train/device/samples_per_sec`, `train/device/flops_per_sec` and `train/device/mfu`, plus `train/items_per_sec`,
-    `train/samples_per_sec` and `train/flops_per_sec` over all devices when there are several.
+    `train/samples_per_sec` and `train/flops_per_sec` over all devices when there are several. `latest` holds the
+    last logged values (on rank 0), which the progress bar shows.
 
     FLOPs come from the LightningModule's `flops_per_batch` (`LanguageModel`: `ModelConfig.flops_per_token(T) * B * T`,
     `6 * matmul parameters + 12 * n_layers * d_model * T`; depth routing is not counted). MFU divides by the dense peak
@@ -77,6 +78,7 @@ class TokenThroughputMonitor(L.Callback):
         self._start_step = 0
         self._samples = self._tokens = 0
         self._flops = 0.0
+        self.latest: dict[str, float] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._clock = _Clock(trainer.strategy.root_device)
@@ -84,6 +86,7 @@ class TokenThroughputMonitor(L.Callback):
         self._flops = 0.0
         self._start_step = trainer.global_step
         self._marks = []
+        self.latest = {}
         self._peak = self.peak_flops or device_peak(trainer.strategy.root_device, trainer, pl_module)
 
     def on_train_batch_end(
@@ -130,6 +133,7 @@ class TokenThroughputMonitor(L.Callback):
         if trainer.world_size > 1:
             for name in ("items_per_sec", "samples_per_sec", "flops_per_sec"):
                 metrics[f"train/{name}"] = metrics[f"train/device/{name}"] * trainer.world_size
+        self.latest = metrics
         log_scalars(trainer, metrics, end[0])
 
 

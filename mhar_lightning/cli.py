@@ -58,8 +58,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         try:
             MharCLI(args=None if argv is None else args)
-        except SIGTERMException:  # a SystemExit without a code: the process would exit 0 as if training had ended
-            print("mhar: stopped by SIGTERM; resume from the last checkpoint with --ckpt_path last", file=sys.stderr)
+        except SIGTERMException as stop:  # a SystemExit without an int code: the process would exit 0 as if done
+            report = stop.code if isinstance(stop.code, str) else "stopped by SIGTERM"
+            print(f"mhar: {report}; resume with --ckpt_path last", file=sys.stderr)
             raise SystemExit(STOPPED_BY_SIGTERM) from None
     except MharError as error:
         if os.environ.get("MHAR_TRACEBACK") == "1":

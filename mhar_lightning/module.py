@@ -69,7 +69,7 @@ def check_sharded_precision(precision: str) -> None:
 
 
 class LanguageModel(L.LightningModule):
-    """Causal language model training: fp32 chunked cross-entropy, AdamW groups, warmup + cosine/WSD.
+    """Causal language model training: fp32 chunked cross-entropy, AdamW or Muon groups, warmup + cosine/WSD.
 
     Args:
         preset: named `ModelConfig` size (`tiny`, `100m`, `350m`, `1b`, `llama3-8b`); default `tiny`, or with
@@ -80,7 +80,7 @@ class LanguageModel(L.LightningModule):
             a multiple of 64, or with `init_from` is the directory's, which must hold it.
         seq_len: training sequence length; becomes the model's `max_seq_len` (linked to the data).
         model_overrides: any other `ModelConfig` fields to change (with `init_from`, only to the same values).
-        optimizer: AdamW and schedule settings.
+        optimizer: the optimizer (AdamW, or Muon for the hidden matrices), its groups' settings and the schedule.
         grad_clip: max global gradient norm (0 disables clipping).
         skip_nonfinite: a step whose loss or gradient norm is not finite stops the run (`TrainingDiverged`) before
             it is applied; with N > 0, up to N such steps in a row are skipped (gradients dropped, warned) instead.
@@ -155,7 +155,8 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters(ignore=["residual"])
         self.hparams["residual"] = self.residual.spec()
         self.hparams["model_config"] = self.model_config.to_dict()  # what tools (export-hf) rebuild the decoder from
-        self.hparams["optimizer"] = {**asdict(self.optimizer_config), "schedule": str(self.optimizer_config.schedule)}
+        config = self.optimizer_config
+        self.hparams["optimizer"] = {**asdict(config), "name": str(config.name), "schedule": str(config.schedule)}
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0
         self._step_loss: Tensor | None = None

@@ -11,13 +11,20 @@ QUIETED_WARNINGS = (
 )
 
 
+DROPPED_MESSAGES = (
+    "Tip:",  # Lightning's advert for LitLogger
+    "`Trainer.fit` stopped:",  # printed over the progress bar; the kit's `RunSummary` closes a run instead
+)
+
+
 class _NoAdverts(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip:" not in str(record.msg)
+        return not any(message in str(record.msg) for message in DROPPED_MESSAGES)
 
 
 def quiet_third_party_noise() -> None:
-    """Drop Lightning's LitLogger tip and the warnings the user can do nothing about."""
+    """Drop Lightning's LitLogger tip, its end-of-fit message (see `DROPPED_MESSAGES`) and the warnings the user can
+    do nothing about."""
     for message in QUIETED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())

@@ -21,9 +21,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, StepProgressBar
+from mhar_lightning.arguments import closest_option
+from mhar_lightning.callbacks import FinalStepCheckpoint, ParameterSummary, RunSummary, StepProgressBar
 from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO, remove_stale_temporaries
 from mhar_lightning.checkpoint.finite import check_finite_optimizer
 from mhar_lightning.checkpoint.read_file import read_checkpoint
@@ -43,7 +44,9 @@ from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.run_folder import RunLock, check_fresh_run, last_checkpoint
 from mhar_lightning.tools import TOOLS
 
-UNKNOWN_OPTION = re.compile(r"^unrecognized arguments: (\S+)|does not accept option '([^']+)'")
+FLOAT32_MATMUL_PRECISION = "high"
+"""fp32 matmuls on GPUs may use TF32 (as LitGPT's and torchtitan's training scripts set): the recipes compute in bf16,
+so this touches only what stays in fp32 (a `32-true` run, evaluation in fp32), and Lightning's tip about it is gone."""
 
 
 class MharArgumentParser(LightningArgumentParser):
@@ -53,16 +56,6 @@ class MharArgumentParser(LightningArgumentParser):
         if self.exit_on_error and "\n" not in message.strip():  # inner parsers raise, and catch, their own errors
             raise ConfigError(message + closest_option(getattr(ex, "subcommand_parser", None) or self, message))
         super().error(message, ex)
-
-
-def closest_option(parser: ArgumentParser, message: str) -> str:
-    """`; did you mean --key?` when `message` rejects an option (a flag or a config key) close to one of `parser`'s."""
-    match = UNKNOWN_OPTION.search(message)
-    if match is None:
-        return ""
-    given = "--" + (match.group(1) or match.group(2)).removeprefix("--").partition("=")[0]
-    close = difflib.get_close_matches(given, parser._option_string_actions, 1)
-    return f"; did you mean {close[0]}?" if close else ""
 
 
 class MharCLI(LightningCLI):
@@ -76,6 +69,8 @@ class MharCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.run_lock: RunLock | None = None  # `fit` takes it before touching its checkpoint folder
+        if torch.cuda.is_available():
+            torch.set_float32_matmul_precision(FLOAT32_MATMUL_PRECISION)
         try:
             super().__init__(
                 LanguageModel,
@@ -152,6 +147,13 @@ class MharCLI(LightningCLI):
             self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
         for field, value in keep.items():
             self.config[subcommand].model[field] = value
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a run stopped by SIGTERM says, in the exception `mhar` prints, which checkpoint holds its step."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException as stop:
+            raise SIGTERMException(sigterm_report(self.trainer)) from stop
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         kwargs.setdefault("allow_abbrev", False)  # a typo such as --trainer.max_step fails instead of matching
@@ -244,7 +246,7 @@ class MharCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Add the TensorBoard logger, the atomic checkpoint writer, a progress bar that does not stall the GPU every
-        step and a one-line parameter summary, unless the config sets its own."""
+        step and a one-line parameter summary, unless the config sets its own, and the closing line of a run."""
         trainer_config = self._get(self.config_init, "trainer", default={})
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(self.root_dir, name="tensorboard")
@@ -260,13 +262,23 @@ class MharCLI(LightningCLI):
         ):
             added.append(ParameterSummary())
             kwargs["enable_model_summary"] = False  # Lightning would print its own table as well
-        if added:
-            kwargs["callbacks"] = [*callbacks, *added]
+        kwargs["callbacks"] = [*callbacks, *added, RunSummary()]  # after the bar, which stops drawing first
         plugins = trainer_config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
+
+
+def sigterm_report(trainer: Trainer) -> str:
+    """Where a run stopped by SIGTERM stopped, and which checkpoint it can resume from."""
+    callback = trainer.checkpoint_callback
+    path = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    saved = getattr(callback, "_last_global_step_saved", None)  # Lightning's record of the step it last saved
+    if not path:
+        return f"stopped by SIGTERM at step {trainer.global_step}, with no checkpoint saved"
+    at = f" (step {saved})" if saved is not None and saved != trainer.global_step else ""
+    return f"stopped by SIGTERM at step {trainer.global_step}; checkpoint {path}{at}"
 
 
 def check_linked_fields(config) -> None:

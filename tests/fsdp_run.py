@@ -95,6 +95,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--inf-loss-at", type=int, help="make rank 1's loss infinite at this (1-based) step")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--param-dtype", default="float32", help="FSDP2 compute dtype of the parameters")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="model.optimizer.name")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compiled_autograd and args.accelerator == "cpu":
@@ -106,7 +107,7 @@ def run(argv: list[str] | None = None) -> None:
         residual=json.loads(args.residual),
         seq_len=32,
         model_overrides={"tie_embeddings": not args.untied, "n_layers": args.layers},
-        optimizer={"lr": 3e-3, "warmup_steps": 2},
+        optimizer={"name": args.optimizer, "lr": 3e-3, "warmup_steps": 2},
         init_from=args.init,
         activation_checkpointing=args.activation_checkpointing,
         param_dtype=args.param_dtype,

@@ -2,6 +2,7 @@
 
 import base64
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -197,8 +198,10 @@ def test_a_run_stopped_by_sigterm_exits_143_after_its_last_checkpoint(tmp_path: 
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
     last = output.strip().splitlines()[-1]
-    assert last == "mhar: stopped by SIGTERM; resume from the last checkpoint with --ckpt_path last"
-    assert 3 <= checkpoint_step(tmp_path) < 200
+    said = re.fullmatch(r"mhar: stopped by SIGTERM at step (\d+); checkpoint (\S+); resume with --ckpt_path last", last)
+    assert said, last
+    assert 3 <= checkpoint_step(tmp_path) == int(said[1]) < 200  # saved on SIGTERM, at the step it stopped
+    assert Path(said[2]) == tmp_path / "checkpoints" / "last.ckpt"
     assert not (tmp_path / "checkpoints" / LOCK_FILE).exists()
 
 

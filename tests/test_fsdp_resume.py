@@ -7,6 +7,7 @@ uninterrupted run, so the resumed run must repeat its losses after the checkpoin
 import json
 from pathlib import Path
 
+import pytest
 from fsdp_helpers import DELTA, converted_init, run_ranks, tiny_corpus
 
 STEPS, CKPT_EVERY = 8, 5
@@ -14,9 +15,12 @@ KILL_AT = STEPS  # after the loss of step 8 is recorded; the last save was at st
 LAST_SAVE = KILL_AT // CKPT_EVERY * CKPT_EVERY
 
 
-def test_killed_run_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_killed_run_resumes_exactly(tmp_path: Path, optimizer: str) -> None:
+    """With either optimizer: Muon steps FSDP2's DTensor shards with torch's own `torch.optim.Muon`."""
     _, init = converted_init(tmp_path, DELTA, tie=False)
     model = ["--data", str(tiny_corpus(tmp_path)), "--init", str(init), "--residual", json.dumps(DELTA), "--untied"]
+    model += ["--optimizer", optimizer]
 
     def args(out: Path, devices: int = 2, *extra: str) -> list[str]:
         return ["--out", str(out), *model, "--fsdp", "--devices", str(devices), "--steps", str(STEPS), *extra]

@@ -63,10 +63,10 @@ def user_files(recipe: Path, tmp_path: Path) -> list[str]:
     return overrides
 
 
-def instantiate(recipe: Path, tmp_path: Path) -> MharCLI:
-    """Model, data and trainer of `recipe`, as `mhar fit --config recipe` builds them, without running."""
+def instantiate(recipe: Path, tmp_path: Path, *flags: str) -> MharCLI:
+    """Model, data and trainer of `recipe` (and `flags`), as `mhar fit --config recipe` builds them, without running."""
     root = ["--trainer.default_root_dir", str(tmp_path)]
-    args = ["--config", str(recipe), *root, *ONE_DEVICE, *user_files(recipe, tmp_path)]
+    args = ["--config", str(recipe), *root, *ONE_DEVICE, *user_files(recipe, tmp_path), *flags]
     return MharCLI(args=args, run=False)
 
 
@@ -141,3 +141,11 @@ def test_recipe_instantiates(recipe: Path, tmp_path: Path) -> None:
     routing = sum(p.numel() for m in model.decoder.modules() if isinstance(m, Residual) for p in m.parameters())
     assert sum(p.numel() for p in model.decoder.parameters()) - routing == model.model_config.num_params()
     assert all(p.is_meta for p in model.decoder.parameters())
+
+
+@pytest.mark.parametrize("flag, value", [("name", "muon"), ("schedule", "wsd")])
+def test_one_optimizer_flag_keeps_the_recipes_other_optimizer_settings(flag: str, value: str, tmp_path: Path) -> None:
+    recipe = RECIPES / "pretrain" / "100m-sum.yaml"
+    config = instantiate(recipe, tmp_path, f"--model.optimizer.{flag}", value).model.optimizer_config
+    assert getattr(config, flag) == value
+    assert (config.lr, config.warmup_steps, config.betas) == (6e-4, 1000, (0.9, 0.95))  # _100m, _pretrain, base

@@ -12,23 +12,33 @@ import torch
 from cli_helpers import DDP_STEPS, NO_PROBES, fast_demo_args, final_weights, run_ddp, scalars
 
 from mhar_lightning.cli import main
+from mhar_lightning.optim import OptimizerConfig, lr_factor
 
 N, K = DDP_STEPS, 4
+MUON = ["--model.optimizer.name", "muon", "--model.optimizer.muon_lr", "0.01"]
 STOP = ["--trainer.callbacks+=cli_helpers.StopAtStep", f"--trainer.callbacks.step={K}"]
 pytestmark = pytest.mark.usefixtures("default_corpus")
 
 
-@pytest.mark.parametrize("launch", [main, run_ddp], ids=["single", "ddp-2"])
-def test_stop_and_resume_equals_uninterrupted(tmp_path: Path, launch, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    "launch, extra", [(main, []), (run_ddp, []), (main, MUON)], ids=["single", "ddp-2", "single-muon"]
+)
+def test_stop_and_resume_equals_uninterrupted(
+    tmp_path: Path, launch, extra: list[str], request: pytest.FixtureRequest
+) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     if launch is run_ddp:
         full = request.getfixturevalue("ddp_demo_run")  # the uninterrupted DDP run, which the probe test reads too
     else:
-        launch(fast_demo_args(full, N) + NO_PROBES)  # no test reads this run's depth maps: none are drawn
-    launch(fast_demo_args(resumed, N) + NO_PROBES + STOP)
-    stopped_at = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    assert stopped_at == K
-    launch(fast_demo_args(resumed, N) + NO_PROBES + ["--ckpt_path", "last"])
+        launch(fast_demo_args(full, N) + NO_PROBES + extra)  # no test reads this run's depth maps: none are drawn
+    launch(fast_demo_args(resumed, N) + NO_PROBES + extra + STOP)
+    checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == K
+    if extra == MUON:  # Muon's momentum for the hidden matrices, Adam's moments for the rest
+        saved = checkpoint["optimizer_states"][0]
+        assert [sorted(state) for state in saved["state"].values()].count(["momentum_buffer"]) == 4 * 7
+        assert saved["param_groups"][0]["lr"] == pytest.approx(0.01 * lr_factor(K, N, OptimizerConfig(warmup_steps=2)))
+    launch(fast_demo_args(resumed, N) + NO_PROBES + extra + ["--ckpt_path", "last"])
 
     reference = scalars(full, "train/loss")
     after_resume = scalars(resumed, "train/loss", version=-1)

@@ -13,6 +13,7 @@ from mhar_lightning.cli import main
 from mhar_lightning.data.prepare import prepare_files
 from mhar_lightning.data.shards import ShardIndex
 from mhar_lightning.data.tokenizer import load_tokenizer
+from mhar_lightning.trainer_cli import MharCLI
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
 
@@ -125,3 +126,15 @@ def test_no_validation_split_trains_with_validation_off(tmp_path: Path) -> None:
     data = prepared(tmp_path, 0.0)
     main([*fast_demo_args(tmp_path, 1), "--data.path", str(data), "--trainer.limit_val_batches", "0", *NO_PROBES])
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_on_a_gpu_fp32_matmuls_may_use_tf32(tmp_path: Path, monkeypatch) -> None:
+    """The float32 matmul precision Lightning asks GPU users to choose (its tip) is chosen: `high`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.get_float32_matmul_precision()
+    assert before == "highest"
+    try:
+        MharCLI(args=[*fast_demo_args(tmp_path, 2)[1:], "--trainer.accelerator", "cpu"], run=False)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

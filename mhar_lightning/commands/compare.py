@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.errors import MharError
 from mhar_lightning.study import plots, report, sizes
 from mhar_lightning.study.continuation import convert_checkpoint
@@ -90,7 +91,7 @@ def seeds_last(own: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="mhar compare",
         description="Train every variant for every seed with `mhar fit` into OUT/runs/<variant>/seed<k>, skipping "
         "finished runs and resuming interrupted ones from last.ckpt, then write OUT/report.md, results.json and "
@@ -392,7 +393,8 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
     paths = plots.write_plots(args.out, results, summaries, baseline)
     path = report.write(args.out, results, summaries, baseline, paths)
     title = f"{len(results)} runs" + (f" ({len(unfinished)} still to train)" if unfinished else "")
-    console.print(report.console_table(summaries, baseline, title))
+    for table in report.console_tables(summaries, baseline, title, console.width):
+        console.print(table)
     console.print(f"report: {path}")
     for line in report.suspect_runs(results):
         console.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)

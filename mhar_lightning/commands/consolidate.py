@@ -6,7 +6,6 @@ Consolidation reads only the model weights (not the optimizer state, which is tw
 process, and writes a regular Lightning checkpoint that `LanguageModel.load_from_checkpoint` loads.
 """
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import TensorStorageMetadata, load
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO
 from mhar_lightning.checkpoint.finite import check_finite_state
 from mhar_lightning.checkpoint.read_sharded import META_FILE, SafeFileSystemReader, check_sharded_checkpoint
@@ -67,7 +67,7 @@ def check_out(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhar consolidate", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="mhar consolidate", description=__doc__.splitlines()[0])
     parser.add_argument("sharded_dir", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("out", help="the single-file checkpoint to write (e.g. model.ckpt)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights (default: as saved, fp32)")

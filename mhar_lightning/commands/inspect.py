@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.callbacks.plots import depth_grid_figure
 from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.data.datamodule import TokenDataModule
@@ -31,7 +32,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="mhar inspect",
         description="Run a probe batch through a checkpoint and show where each routing site reads from.",
     )

@@ -8,7 +8,6 @@ Bits per byte divide the summed loss of tokens that stand for text by the UTF-8 
 and other special tokens stand for none), so models with different tokenizers compare.
 """
 
-import argparse
 import json
 import math
 import re
@@ -26,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch import Tensor
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.data.shards import TokenStream
 from mhar_lightning.data.tokenizer import ByteTokenizer, Tokenizer
 from mhar_lightning.eval.loading import add_model_options, load_from_args
@@ -174,7 +174,7 @@ def results_table(scores: Scores, title: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhar evaluate", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="mhar evaluate", description=__doc__.splitlines()[0])
     add_model_options(parser)
     parser.add_argument("--data", type=Path, required=True, help="a folder made by `mhar prepare`")
     parser.add_argument("--split", default="val", help="default: %(default)s")

@@ -1,12 +1,12 @@
 """`mhar generate CHECKPOINT --prompt TEXT`: sample a continuation, streamed to the terminal, with a KV cache."""
 
-import argparse
 import sys
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.eval.loading import add_model_options, load_from_args
 from mhar_lightning.kv_cache import KVCache
 from mhar_lightning.model import Decoder
@@ -105,7 +105,7 @@ def stream_text(ids: Iterator[int], decode) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhar generate", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="mhar generate", description=__doc__.splitlines()[0])
     add_model_options(parser)
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="default: %(default)s")

@@ -4,11 +4,12 @@
 model_args="checkpoint=PATH", tasks=[...])` works. Needs the optional extra: `pip install "mhar-lightning[eval]"`.
 """
 
-import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ except ImportError as error:
 from rich.console import Console
 from rich.table import Table
 
+from mhar_lightning.arguments import ToolParser
 from mhar_lightning.eval.generate import generate
 from mhar_lightning.eval.loading import load_model
 
@@ -163,13 +165,27 @@ def results_table(results: dict) -> Table:
     return table
 
 
+def source_commit() -> str | None:
+    """The kit's commit (`git describe --always` in its source folder), or None outside a checkout or without git.
+
+    lm-eval records as `git_hash` the commit of the working directory, and lets git print `fatal: not a git
+    repository` outside one; `mhar lm-eval` records the kit's instead, quietly."""
+    try:
+        done = subprocess.run(
+            ["git", "describe", "--always"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> int:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from mhar_lightning.eval.loading import add_model_options
 
-    parser = argparse.ArgumentParser(prog="mhar lm-eval", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="mhar lm-eval", description=__doc__.splitlines()[0])
     add_model_options(parser)
     parser.add_argument("--tasks", required=True, help="comma-separated task names, e.g. hellaswag,lambada_openai")
     parser.add_argument("--include-path", type=Path, help="a folder of task YAML files (e.g. tasks on local files)")
@@ -195,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"unknown task {', '.join(unknown)}: see `lm-eval ls tasks`, or pass --include-path with its YAML"
             )
         model = MharLM(str(args.checkpoint), args.tokenizer, args.device, args.dtype, args.batch_size)
-        results = simple_evaluate(
-            model=model,
-            tasks=tasks,
-            num_fewshot=args.num_fewshot,
-            limit=args.limit,
-            task_manager=manager,
-            log_samples=False,
-        )
+        with mock.patch("lm_eval.evaluator.get_git_commit_hash", source_commit):
+            results = simple_evaluate(
+                model=model,
+                tasks=tasks,
+                num_fewshot=args.num_fewshot,
+                limit=args.limit,
+                task_manager=manager,
+                log_samples=False,
+            )
     except (ValueError, FileNotFoundError) as error:
         print(f"mhar lm-eval: error: {error}", file=sys.stderr)
         return 1

@@ -166,14 +166,26 @@ def markdown_table(header: list[str], rows: list[list[str]], text_columns: int =
     return [f"| {' | '.join(cells)} |" for cells in (header, align, *rows)]
 
 
-def console_table(summaries: list[VariantSummary], baseline: str, title: str) -> Table:
+def console_tables(summaries: list[VariantSummary], baseline: str, title: str, width: int) -> list[Table]:
+    """The summary table for a terminal `width` characters wide: the columns that do not fit go on to further
+    tables, each led by the variant column again, so that no number is cut short."""
     header, rows = summary_rows(summaries, baseline)
-    table = Table(title=title)
-    for column in header:
-        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    return table
+    # a column takes its widest cell, one space either side and one border; the table, one more border
+    widths = [max(len(cell) for cell in [name, *(row[i] for row in rows)]) + 3 for i, name in enumerate(header)]
+    groups: list[list[int]] = [[]]
+    for i in range(1, len(header)):
+        if groups[-1] and 1 + widths[0] + sum(widths[j] for j in groups[-1]) + widths[i] > width:
+            groups.append([])
+        groups[-1].append(i)
+    tables = []
+    for group in groups:
+        table = Table(title=title if not tables else None)
+        for i in [0, *group]:
+            table.add_column(header[i], justify="left" if i == 0 else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*(row[i] for i in [0, *group]))
+        tables.append(table)
+    return tables
 
 
 def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: str, plots: list[Path]) -> str:

@@ -2,6 +2,8 @@
 device between steps), the loss on the bar, and a plain line per interval off a terminal with no third-party noise."""
 
 import collections
+import json
+import re
 import subprocess
 import sys
 import traceback
@@ -80,23 +82,39 @@ def test_bar_shows_the_training_loss(tmp_path, log_every) -> None:
 
 
 def test_fit_off_a_terminal_prints_plain_progress_lines_and_no_noise(tmp_path: Path) -> None:
+    """Fixed decimals, tokens/s and MFU (windows of one step, a CPU peak given) beside the loss, then one closing line
+    instead of Lightning's `Trainer.fit` message and the bar's last state."""
     args = [*fast_demo_args(tmp_path, max_steps=4), "--trainer.enable_progress_bar", "true"]
+    monitor = {"class_path": "mhar_lightning.callbacks.TokenThroughputMonitor"}
+    monitor["init_args"] = {"window_size": 1, "peak_flops": 1e9}
     done = subprocess.run(
-        [sys.executable, "-m", "mhar_lightning.cli", *args, "--trainer.log_every_n_steps", "2"],
+        [sys.executable, "-m", "mhar_lightning.cli", *args, "--trainer.log_every_n_steps", "2",
+         "--trainer.callbacks", json.dumps([monitor])],
         env=env_with_tests_on_path(), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4 (50%)", "step 4/4 (100%)"]
-    assert all("train/loss " in line and "steps/s" in line for line in lines)
-    assert "Epoch 0/-2" not in done.stdout
-    for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec", "FLOPs"):
+    assert re.fullmatch(r"step 2/4 \(50%\) \| train/loss \d\.\d{3} \| \d+\.\d\d steps/s \| eta \dm\d\ds", lines[0])
+    assert re.fullmatch(
+        r"step 4/4 \(100%\) \| val/loss \d\.\d{3} \| train/loss \d\.\d{3} \| tok/s [\d,]+ \| MFU \d+\.\d% \| "
+        r"\d+\.\d\d steps/s \| eta 0m00s",
+        lines[1],
+    ), lines[1]
+    last = done.stdout.strip().splitlines()[-1]
+    checkpoint = tmp_path / "checkpoints" / "last.ckpt"
+    assert re.fullmatch(
+        rf"done: step 4/4 in \d+s \| val/loss \d\.\d{{3}} at step 3 \| checkpoint {checkpoint}", last
+    ), last
+    for noise in ("Tip:", "litlogger", "set_vital", "LeafSpec", "FLOPs", "Epoch 0", "Trainer.fit"):
         assert noise not in done.stdout + done.stderr, noise
 
 
-def test_bar_counts_optimizer_steps_across_a_resume(tmp_path) -> None:
-    """A run bounded by `max_steps`: the bar reads steps done out of `max_steps`, before and after a resume, and its
-    speed counts only the steps this run trained (rich's samples: the progress made since the task started)."""
+def test_bar_counts_optimizer_steps_across_a_resume(tmp_path, monkeypatch) -> None:
+    """A run bounded by `max_steps` on a terminal: the bar reads steps done out of `max_steps`, before and after a
+    resume, and its speed counts only the steps this run trained (rich's samples: the progress made since the task
+    started)."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     args = ["--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path), "--trainer.limit_val_batches", "0"]
     args += ["--data.seq_len", "32", "--data.batch_size", "2", "--checkpoint.every_n_train_steps", "4"]
     for max_steps, ckpt_path in ((4, None), (6, "last")):

@@ -3,6 +3,8 @@ against `mhar evaluate`, generation against the kit's greedy decoding, and a loc
 
 import json
 import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -137,14 +139,20 @@ def test_cli_lm_eval_refuses_bad_options_in_one_line(run, monkeypatch, capsys, o
     assert err.strip().splitlines() == [err.strip()] and err.startswith(f"mhar lm-eval: error: {message}")
 
 
-def test_cli_lm_eval_writes_table_and_json(run, tmp_path, monkeypatch, capsys):
+def test_cli_lm_eval_writes_table_and_json(run, tmp_path, monkeypatch, capfd):
+    """Run outside a git checkout (a copy of the task folder), git says nothing; the results record the kit's commit."""
     checkpoint, _ = run
-    monkeypatch.chdir(TASKS)
+    tasks = shutil.copytree(TASKS, tmp_path / "tasks")
+    monkeypatch.chdir(tasks)
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalTasks)
     out = tmp_path / "lm_eval.json"
-    args = ["lm-eval", str(checkpoint), "--tasks", "mhar_tiny_mc", "--include-path", str(TASKS), "--out", str(out)]
+    args = ["lm-eval", str(checkpoint), "--tasks", "mhar_tiny_mc", "--include-path", str(tasks), "--out", str(out)]
     with pytest.raises(SystemExit) as done:
         mhar([*args, "--device", "cpu"])
     assert done.value.code == 0
-    assert "mhar_tiny_mc" in capsys.readouterr().out
-    assert "acc,none" in json.loads(out.read_text())["results"]["mhar_tiny_mc"]
+    printed = capfd.readouterr()  # the file descriptors: what a git child process writes too
+    assert "mhar_tiny_mc" in printed.out and "fatal" not in printed.err
+    results = json.loads(out.read_text())
+    assert "acc,none" in results["results"]["mhar_tiny_mc"]
+    kit = subprocess.run(["git", "describe", "--always"], cwd=TASKS, capture_output=True, text=True, check=False)
+    assert results["git_hash"] == (kit.stdout.strip() or None)

@@ -1,11 +1,13 @@
 """The study report: speeds and speed ratios only of runs that had their machine to themselves; runs whose
 validation is far above their training loss named; the devices and versions the runs trained with."""
 
+import io
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
-from mhar_lightning.study.report import markdown, summarize, suspect_runs
+from mhar_lightning.study.report import console_tables, markdown, summarize, summary_rows, suspect_runs
 from mhar_lightning.study.results import RunResult
 
 
@@ -51,3 +53,22 @@ def test_the_environments_runs_trained_in_are_listed_with_their_runs() -> None:
     assert "| NVIDIA H200 | 1 | - | 2.12.0 | - | - | - | - | 2026-12-02 - 2026-12-02 | sum 1 |" in section
     unrecorded = [run("sum", 0, 400.0)]  # results written before runs recorded their environment
     assert "## Environment" not in markdown(unrecorded, summarize(unrecorded, "sum"), "sum", [])
+
+
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_the_console_table_fits_the_terminal_and_cuts_no_number(width: int) -> None:
+    runs = [run("sum", 0, 123456.0), run("mhar-block-h8", 0, 98765.0)]
+    runs = [replace(r, params=123_456_789, routing_params=12_345, steps=20_000, tokens_per_step=524_288) for r in runs]
+    summaries = summarize(runs, "sum")
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None)
+    tables = console_tables(summaries, "sum", "2 runs", console.width)
+    for table in tables:
+        console.print(table)
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= width and "…" not in out.getvalue()
+    header, rows = summary_rows(summaries, "sum")
+    for text in [*header, *(cell for row in rows for cell in row)]:
+        assert text in out.getvalue()
+    assert (len(tables) == 1) == (width == 200)
+    assert all(table.columns[0].header == "variant" for table in tables)
