@@ -118,6 +118,16 @@ class LanguageModel(L.LightningModule):
         reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
+        if not grad_clip >= 0:  # NaN too
+            raise ValueError(
+                f"model.grad_clip={grad_clip} is no gradient norm: set --model.grad_clip to a positive norm (e.g. 1.0),"
+                " or to 0 to turn clipping off"
+            )
+        if loss_chunk_tokens < 1:
+            raise ValueError(
+                f"model.loss_chunk_tokens={loss_chunk_tokens} must be >= 1: set --model.loss_chunk_tokens to a positive"
+                " count (default 4096)"
+            )
         if init_from is not None:
             self.model_config, self.residual = pretrained_model(
                 init_from,
