@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from mhar_lightning.callbacks import SameWorldSize
+from mhar_lightning.callbacks import ResumeDueValidation, SameWorldSize
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
 from mhar_lightning.divergence import NonFiniteGuard, check_finite_state
@@ -306,8 +306,9 @@ class LanguageModel(L.LightningModule):
         check_finite_state(checkpoint.get("state_dict", {}), str(source or "being loaded"))
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""
-        return [SameWorldSize()]
+        """Callbacks every run needs: resuming on another number of ranks would silently misalign the data, and a
+        resumed run would skip the validation it was killed in."""
+        return [SameWorldSize(), ResumeDueValidation()]
 
     def configure_optimizers(self):
         # Not `trainer.estimated_stepping_batches`: in Lightning 2.6 it builds the train loader before a resume
