@@ -9,10 +9,10 @@ class ResumeDueValidation(L.Callback):
     validation before the next step.
 
     Checkpoints saved every N steps are written before the validation that follows their step. Lightning 2.6, resuming
-    from one, takes that validation as done and moves on (it fast-forwards the validation loop's counters), so a run
-    killed during the validation never logs it. Here it runs again, from its first batch, on the checkpoint's
-    weights: the loss the interrupted validation would have logged. (With a checkpoint saved at validation end, a
-    monitored metric's, the validation is then run twice, on the same weights.)
+    from one, takes that validation as done (it fast-forwards the validation loop's counters), so a run killed during
+    it never logs it. Here it runs again, from its first batch, on the checkpoint's weights, and logs the loss the
+    interrupted one would have. A run that stopped cleanly after that validation logs it twice, with the same loss:
+    the checkpoint cannot tell the two apart.
     """
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
