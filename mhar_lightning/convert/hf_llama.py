@@ -118,7 +118,7 @@ def check_field_types(hf_config: dict) -> None:
     the conversion or, for a flag such as `tie_word_embeddings: "no"`, convert silently into another model."""
     for key, types in FIELD_TYPES.items():
         value = hf_config.get(key)
-        if value is not None and (isinstance(value, bool) and bool not in types or not isinstance(value, types)):
+        if value is not None and ((isinstance(value, bool) and bool not in types) or not isinstance(value, types)):
             raise ConversionError(
                 f"{key}={json.dumps(value)} is not {TYPE_NAMES[types[-1]]}: fix that field of config.json"
             )

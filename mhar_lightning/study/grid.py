@@ -81,7 +81,7 @@ def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, An
     """`[NAME=]SPEC`: SPEC is a recipe (`.yaml`), a strategy of `strategies`, a registered residual name or a
     class path, the last two optionally with arguments (`mhar_lightning.residual.MHAR:heads=2,blocks=8`)."""
     name, eq, spec = text.partition("=")
-    if not eq or ":" in name or "/" in name and spec.endswith((".yaml", ".yml")):  # a path may hold a '='
+    if not eq or ":" in name or ("/" in name and spec.endswith((".yaml", ".yml"))):  # a path may hold a '='
         name, spec = "", text
     elif SAFE_NAME.search(name) or name in ("", ".", ".."):
         raise ValueError(
