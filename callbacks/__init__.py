@@ -6,6 +6,7 @@ from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
 from mhar_lightning.callbacks.model_summary import ParameterSummary
 from mhar_lightning.callbacks.progress_bar import StepProgressBar
+from mhar_lightning.callbacks.resumed_validation import ResumeDueValidation
 from mhar_lightning.callbacks.run_summary import RunSummary
 from mhar_lightning.callbacks.same_world_size import SameWorldSize
 from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
@@ -16,6 +17,7 @@ __all__ = [
     "HeadDisagreementProbe",
     "ParameterSummary",
     "PeakMemoryMonitor",
+    "ResumeDueValidation",
     "RunSummary",
     "SameWorldSize",
     "StepProgressBar",

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from mhar_lightning.callbacks import SameWorldSize
+from mhar_lightning.callbacks import ResumeDueValidation, SameWorldSize
 from mhar_lightning.checkpoint.finite import check_finite_state
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
@@ -120,6 +120,16 @@ class LanguageModel(L.LightningModule):
         reduce_dtype: str = "float32",
     ) -> None:
         super().__init__()
+        if not grad_clip >= 0:  # NaN too
+            raise ValueError(
+                f"model.grad_clip={grad_clip} is no gradient norm: set --model.grad_clip to a positive norm (e.g. 1.0),"
+                " or to 0 to turn clipping off"
+            )
+        if loss_chunk_tokens < 1:
+            raise ValueError(
+                f"model.loss_chunk_tokens={loss_chunk_tokens} must be >= 1: set --model.loss_chunk_tokens to a positive"
+                " count (default 4096)"
+            )
         if init_from is not None:
             self.model_config, self.residual = pretrained_model(
                 init_from,
@@ -310,8 +320,9 @@ class LanguageModel(L.LightningModule):
             )
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Callbacks every run needs: resuming on another number of ranks would silently misalign the data."""
-        return [SameWorldSize()]
+        """Callbacks every run needs: resuming on another number of ranks would silently misalign the data, and a
+        resumed run would skip the validation it was killed in."""
+        return [SameWorldSize(), ResumeDueValidation()]
 
     def configure_optimizers(self):
         # Not `trainer.estimated_stepping_batches`: in Lightning 2.6 it builds the train loader before a resume

@@ -47,15 +47,41 @@ from mhar_lightning.tools import TOOLS
 FLOAT32_MATMUL_PRECISION = "high"
 """fp32 matmuls on GPUs may use TF32 (as LitGPT's and torchtitan's training scripts set): the recipes compute in bf16,
 so this touches only what stays in fp32 (a `32-true` run, evaluation in fp32), and Lightning's tip about it is gone."""
+BAD_VALUE = re.compile(r'^Parser key "([^"]+)":\n')
+GIVEN_VALUE = re.compile(r"^  Given value: (.*)$", re.MULTILINE)  # a union's value, before its subtypes' reasons
+GOT_VALUE = re.compile(r"Got value: (.*)$", re.MULTILINE)
+EXPECTED_TYPE = re.compile(r"Expected a (?:<class '(\w+)'>|typing\.Literal\[(.*)\])")
+TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string", "NoneType": "null"}
 
 
 class MharArgumentParser(LightningArgumentParser):
     """Lightning's parser, with a one-line error instead of a usage dump; an unknown option names the closest one."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if self.exit_on_error and "\n" not in message.strip():  # inner parsers raise, and catch, their own errors
-            raise ConfigError(message + closest_option(getattr(ex, "subcommand_parser", None) or self, message))
+        if self.exit_on_error:  # inner parsers raise, and catch, their own errors
+            parser = getattr(ex, "subcommand_parser", None) or self
+            raise ConfigError(bad_value_line(message.strip()) + closest_option(parser, message))
         super().error(message, ex)
+
+
+def bad_value_line(message: str) -> str:
+    """jsonargparse's several-line report of a value of the wrong type as one line: the flag, the value given and
+    what the flag takes (other messages with their lines joined)."""
+    key, given = BAD_VALUE.match(message), GIVEN_VALUE.search(message) or GOT_VALUE.search(message)
+    reasons = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- ")]
+    others = [reason.partition(". Got value")[0] for reason in reasons if not reason.startswith("Expected a ")]
+    expected = [
+        TYPE_NAMES.get(name, name) if name else f"one of {literal}" for name, literal in EXPECTED_TYPE.findall(message)
+    ]
+    if key is None or given is None or not (others or expected):
+        return " ".join(line.strip() for line in message.splitlines())
+    flag, value = key.group(1), given.group(1)
+    if others:  # a class-typed or path-typed setting: its own reason says more than a list of types
+        reason = next((other for other in others if other.startswith("Not a valid")), others[0])
+        return f"--{flag} {value!r}: {reason}; fix the flag, or {flag} in the config"
+    expected = list(dict.fromkeys(expected))
+    takes = expected[0] if len(expected) == 1 else f"{', '.join(expected[:-1])} or {expected[-1]}"
+    return f"--{flag} {value!r}: expected {takes}; fix the flag, or {flag} in the config"
 
 
 class MharCLI(LightningCLI):
@@ -215,6 +241,11 @@ class MharCLI(LightningCLI):
             raise ConfigError(
                 f"trainer.max_steps={self.trainer.max_steps}: set --trainer.max_steps N (N >= 1); the learning-rate"
                 " schedule is defined over optimizer steps"
+            )
+        if self.subcommand == "fit" and not 0 < self.trainer.accumulate_grad_batches:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches}: set"
+                " --trainer.accumulate_grad_batches N (N >= 1 batches per optimizer step)"
             )
         if self.subcommand is not None:  # a run, not a config being inspected (run=False)
             self.datamodule.check(self.trainer.world_size, validate=self.trainer.limit_val_batches > 0)

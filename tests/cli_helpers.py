@@ -89,6 +89,17 @@ class SigtermAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class CrashInValidation(L.Callback):
+    """Raise inside the validation that follows step `step` (a run killed mid-validation)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step and not trainer.sanity_checking:
+            raise RuntimeError(f"killed in the validation after step {self.step}")
+
+
 def scalars(root: Path, tag: str, version: int | None = None) -> dict[int, float]:
     """step -> value of a TensorBoard scalar, from one run `version` under `root` (index) or from all of them."""
     versions = sorted((root / "tensorboard").iterdir(), key=lambda p: int(p.name.removeprefix("version_")))

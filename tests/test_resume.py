@@ -69,3 +69,20 @@ def test_a_run_preempted_by_sigterm_saves_its_step_and_resumes_exactly(tmp_path:
     assert after_resume == {step: reference[step] for step in range(K + 1, N)}
     want, got = final_weights(full), final_weights(resumed)
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_a_run_killed_during_a_validation_runs_that_validation_when_resumed(tmp_path: Path) -> None:
+    """Killed inside the validation after step 4 (the second), the run resumes from its step-4 checkpoint: it runs
+    that validation first, with the uninterrupted run's loss, instead of skipping it, then trains on exactly."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    every_2 = ["--trainer.val_check_interval", "2"]
+    main(fast_demo_args(full, 5) + NO_PROBES + every_2)
+    crash = ["--trainer.callbacks+=cli_helpers.CrashInValidation", "--trainer.callbacks.step=4"]
+    with pytest.raises(RuntimeError, match="killed in the validation after step 4"):
+        main(fast_demo_args(resumed, 5) + NO_PROBES + every_2 + crash)
+    reference = scalars(full, "val/loss")  # logged at the index of the step it follows
+    assert sorted(reference) == [1, 3] and sorted(scalars(resumed, "val/loss")) == [1]
+    main(fast_demo_args(resumed, 5) + NO_PROBES + every_2 + ["--ckpt_path", "last"])
+    assert scalars(resumed, "val/loss", version=-1) == {3: reference[3]}
+    assert scalars(resumed, "train/loss", version=-1) == {4: scalars(full, "train/loss")[4]}
+    assert torch.equal(final_weights(resumed)["decoder.embed.weight"], final_weights(full)["decoder.embed.weight"])

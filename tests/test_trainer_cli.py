@@ -40,7 +40,8 @@ def test_validation_every_n_steps_spans_epochs_and_resume_across_them_is_exact(t
     main([*fast_demo_args(resumed, N), *args, *NO_PROBES, "--ckpt_path", "last"])
 
     assert sorted(scalars(full, "val/loss")) == [2, 5]  # after steps 3 and 6, in epochs 1 and 2
-    assert scalars(resumed, "val/loss", version=-1) == {5: scalars(full, "val/loss")[5]}
+    # the checkpoint of step 3 was written before the validation after it, which the resumed run repeats
+    assert scalars(resumed, "val/loss", version=-1) == scalars(full, "val/loss")
     reference = scalars(full, "train/loss")
     assert scalars(resumed, "train/loss", version=-1) == {step: reference[step] for step in range(K, N)}
     want, got = final_weights(full), final_weights(resumed)
@@ -77,6 +78,57 @@ def test_a_bad_flag_is_one_line(tmp_path: Path, capsys, extra: list[str], line: 
     assert (code, err.strip().splitlines()[-1]) == (2, f"mhar: error: {line}")
     assert "Traceback" not in err and "usage:" not in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        (["--data.batch_size", "abc"],
+         "--data.batch_size 'abc': expected an integer; fix the flag, or data.batch_size in the config"),
+        (["--trainer.max_steps", "1.5"],
+         "--trainer.max_steps '1.5': expected an integer; fix the flag, or trainer.max_steps in the config"),
+        (["--seed_everything", "abc"],
+         "--seed_everything 'abc': expected true/false or an integer; fix the flag, or seed_everything in the config"),
+        (["--trainer.callbacks", "[1]"],
+         "--trainer.callbacks '[1]': Not a valid subclass of Callback; fix the flag, or trainer.callbacks in the"
+         " config"),
+        (["--data.num_workers", "-1"],
+         "data.num_workers=-1 must be >= 0: set --data.num_workers 0 to load batches in the training process, or N"
+         " for N worker processes"),
+        (["--model.loss_chunk_tokens", "0"],
+         "model.loss_chunk_tokens=0 must be >= 1: set --model.loss_chunk_tokens to a positive count (default 4096)"),
+        (["--trainer.accumulate_grad_batches", "0"],
+         "trainer.accumulate_grad_batches=0: set --trainer.accumulate_grad_batches N (N >= 1 batches per optimizer"
+         " step)"),
+        (["--model.grad_clip", "-1"],
+         "model.grad_clip=-1.0 is no gradient norm: set --model.grad_clip to a positive norm (e.g. 1.0), or to 0 to"
+         " turn clipping off"),
+    ],
+)  # fmt: skip
+def test_a_value_of_the_wrong_type_or_range_is_exactly_one_line(tmp_path: Path, capsys, extra, line) -> None:
+    """Not jsonargparse's usage dump, nor a traceback from the first step: one line naming the flag and the fix."""
+    code, _, err = run([*fast_demo_args(tmp_path, 1), *extra], capsys)
+    assert (code, err.strip()) == (2, f"mhar: error: {line}")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        (b"trainer:\n  max_steps: 3\n   devices: [\n",
+         "{recipe}:3:11: YAML syntax error, mapping values are not allowed here: fix that line"),
+        (b"trainer:\n  max_steps: 3 # caf\xe9\n", "{recipe}:2: not UTF-8 text (invalid continuation byte): save the"
+         " file as UTF-8"),
+    ],
+)  # fmt: skip
+def test_a_config_that_is_not_yaml_or_not_utf8_is_one_line_naming_file_and_line(
+    tmp_path: Path, capsys, text: bytes, line: str
+) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(text)
+    code, _, err = run([*fast_demo_args(tmp_path / "run", 1), "--config", str(recipe)], capsys)
+    assert (code, err.strip()) == (2, "mhar: error: " + line.format(recipe=recipe))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_strategy_name_as_a_recipes_class_path_is_one_line_naming_its_class(tmp_path: Path, capsys) -> None:

@@ -383,7 +383,7 @@ def study(args: argparse.Namespace, overrides: list[str]) -> int:
             unfinished = {run.dir for run in runs if not run.finished}
         results, order = collect_all(args.out, args.report_only is not None, unfinished)  # earlier calls' runs too
     except (ValueError, RuntimeError) as error:
-        console.print(f"mhar compare: error: {error}", markup=False, highlight=False, soft_wrap=True)
+        print(f"mhar compare: error: {error}", file=sys.stderr)
         return MharError.exit_code
     if not results:
         console.print(f"no finished runs in {args.out}/runs yet" + (f"; {len(failed)} failed" if failed else ""))

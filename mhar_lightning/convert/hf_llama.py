@@ -26,6 +26,18 @@ TOKENIZER_FILES = (
 )
 """Tokenizer files of a Hugging Face model directory that travel with its weights (convert and export)."""
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+FIELD_TYPES = {
+    **dict.fromkeys(
+        (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings", "pretraining_tp"), (int,)
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "initializer_range", "partial_rotary_factor"), (int, float)),
+    **dict.fromkeys(("attention_dropout", "mlp_dropout"), (int, float)),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), (bool,)),
+    **dict.fromkeys(("hidden_act",), (str,)),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), (dict,)),
+}
+"""The JSON type of each config.json field the conversion reads (null, where allowed, is checked elsewhere)."""
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
 
 
 def copy_tokenizer_files(src: str | Path, out: str | Path) -> list[str]:
@@ -61,6 +73,7 @@ def rope_scaling_of(rope: dict) -> RopeScaling | None:
 
 def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
     """The `ModelConfig` of a Hugging Face `config.json`; refuses anything this decoder would compute differently."""
+    check_field_types(hf_config)
     architectures = hf_config.get("architectures")
     if architectures != list(SUPPORTED_ARCHITECTURES):
         named = ", ".join(architectures) if architectures else 'none (config.json lacks "architectures")'
@@ -98,6 +111,17 @@ def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
         attention_bias=bool(hf_config.get("attention_bias", False)),
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
     )
+
+
+def check_field_types(hf_config: dict) -> None:
+    """Refuse a config.json field of the wrong JSON type (e.g. `"hidden_size": "64"`), which would fail deep in
+    the conversion or, for a flag such as `tie_word_embeddings: "no"`, convert silently into another model."""
+    for key, types in FIELD_TYPES.items():
+        value = hf_config.get(key)
+        if value is not None and ((isinstance(value, bool) and bool not in types) or not isinstance(value, types)):
+            raise ConversionError(
+                f"{key}={json.dumps(value)} is not {TYPE_NAMES[types[-1]]}: fix that field of config.json"
+            )
 
 
 def model_config_to_hf_config(config: ModelConfig, dtype: torch.dtype, tokens: dict | None = None) -> dict:
@@ -162,8 +186,16 @@ class HFLlamaCheckpoint:
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{self.path} has no config.json; point at a Hugging Face model directory")
-        self.hf_config: dict = json.loads(config_file.read_text())
-        self.config = hf_config_to_model_config(self.hf_config)
+        try:
+            self.hf_config: dict = json.loads(config_file.read_text(encoding="utf-8"))
+        except ValueError as error:  # not UTF-8, or not JSON
+            raise ConversionError(f"{config_file} is not a JSON file ({error}): restore it from the source") from None
+        if not isinstance(self.hf_config, dict):
+            raise ConversionError(f"{config_file} is not a JSON object: restore it from the source")
+        try:
+            self.config = hf_config_to_model_config(self.hf_config)
+        except ConversionError as error:
+            raise ConversionError(f"{config_file}: {error}") from None
         self.tensors = SafetensorsDir(self.path, follow_links=False)  # a Hugging Face cache links to its blobs
         self.dtype = self.tensors.shape_and_dtype(self.tensors.names()[0])[1]
 

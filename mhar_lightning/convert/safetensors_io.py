@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -88,7 +88,12 @@ class SafetensorsDir:
     def file(self, name: str):
         """The open handle of shard file `name` (opened once)."""
         if name not in self._handles:
-            self._handles[name] = safe_open(self.files[name], framework="pt")
+            try:
+                self._handles[name] = safe_open(self.files[name], framework="pt")
+            except SafetensorError as error:  # e.g. a header too large or too small: a damaged or foreign file
+                raise ConversionError(
+                    f"{self.files[name]} is not a readable safetensors file ({error}): restore it from the source"
+                ) from None
         return self._handles[name]
 
     def names(self) -> list[str]:

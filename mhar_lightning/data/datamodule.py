@@ -53,6 +53,11 @@ class TokenDataModule(L.LightningDataModule):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if value < 1:
                 raise ValueError(f"data.{name}={value} must be >= 1")
+        if num_workers < 0:
+            raise ValueError(
+                f"data.num_workers={num_workers} must be >= 0: set --data.num_workers 0 to load batches in the training"
+                " process, or N for N worker processes"
+            )
         self.save_hyperparameters()
         self.path, self.tokenizer_name, self.seq_len, self.batch_size = path, tokenizer, seq_len, batch_size
         self.num_workers, self.seed, self.samples_per_epoch = num_workers, seed, samples_per_epoch

@@ -10,9 +10,14 @@ always land on the same side.
 from __future__ import annotations
 
 import argparse
+import errno
+import glob
 import hashlib
 import json
+import os
+import re
 import shutil
+import socket
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
@@ -29,6 +34,8 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
 SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
 SPLITS = ("train", "val")
 _BATCH_CHARS = 1 << 22  # tokenize about 4 MiB of text at a time (tiktoken spreads a batch over threads)
+_BUILD_NAME = re.compile(r"\.(?P<out>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{32}")
+"""A folder being built, ``.<out>.tmp-<host>-<pid>-<random>``: its host and process tell whether it is abandoned."""
 
 
 def discover(src: Path) -> list[Path]:
@@ -54,8 +61,15 @@ def read_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     if path.suffix in TEXT_SUFFIXES:
         yield path.read_text(encoding="utf-8")
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ValueError(
+                        f"{path}:{number} is not UTF-8 text ({error.reason} at byte {error.start} of the line):"
+                        " re-encode the file as UTF-8, or fix or remove that line"
+                    ) from None
                 if line.strip():
                     yield jsonl_text(line, text_field, f"{path}:{number}")
     elif path.suffix == ".parquet":
@@ -111,17 +125,49 @@ def prepare_files(
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     out = Path(out)
+    remove_abandoned_builds(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists: choose another output folder or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex}"
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
         index = _tokenize_into(tmp, files, tokenizer, val_fraction, text_field, shard_tokens, progress, source)
         _publish(tmp, out, overwrite)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(
+            f"the disk of {out.parent} is full ({error.strerror}) while writing {out}: free space there or choose an"
+            " output folder on another disk"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return index
+
+
+def remove_abandoned_builds(out: Path) -> list[Path]:
+    """Delete the temporary folders of earlier preparations of ``out`` whose process, on this host, has ended
+    (killed mid-way); returns them. A preparation still running, here or on another host, keeps its folder."""
+    removed = []
+    for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*") if out.parent.is_dir() else ():
+        build = _BUILD_NAME.fullmatch(path.name)
+        if build and build["out"] == out.name and build["host"] == socket.gethostname():
+            if not process_alive(int(build["pid"])):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _tokenize_into(
@@ -138,6 +184,7 @@ def _tokenize_into(
     writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
     documents = dict.fromkeys(SPLITS, 0)
     skipped = batch_chars = 0
+    not_utf8: list[Path] = []
     batch: list[str] = []
 
     def flush() -> None:
@@ -169,6 +216,7 @@ def _tokenize_into(
                 if path.suffix not in TEXT_SUFFIXES:
                     raise
                 skipped += 1  # a binary or non-UTF-8 text file
+                not_utf8.append(path)
             bar.advance(task, path.stat().st_size)
         flush()
     if documents["train"] == 0 or (val_fraction > 0 and documents["val"] == 0):
@@ -181,7 +229,13 @@ def _tokenize_into(
         dtype=dtype.name,
         splits={split: writer.close() for split, writer in writers.items()},
         documents=documents,
-        meta={"source": source, "files": len(files), "skipped_documents": skipped, "val_fraction": val_fraction},
+        meta={
+            "source": source,
+            "files": len(files),
+            "skipped_documents": skipped,
+            "skipped_not_utf8": [str(path) for path in not_utf8],
+            "val_fraction": val_fraction,
+        },
     )
     index.save(directory)
     return index
@@ -252,5 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.out}: {index.num_tokens('train')} train / {index.num_tokens('val')} val tokens "
         f"({index.documents['train']} / {index.documents['val']} documents, tokenizer {tokenizer.name}, {index.dtype})"
+        + skipped_summary(index.meta)
     )
     return 0
+
+
+def skipped_summary(meta: dict) -> str:
+    """``; skipped N documents (...)`` for the summary line, naming the first text file that was not UTF-8."""
+    skipped, not_utf8 = meta["skipped_documents"], meta["skipped_not_utf8"]
+    if not skipped:
+        return ""
+    parts = [f"{skipped - len(not_utf8)} empty or binary"] if skipped > len(not_utf8) else []
+    if not_utf8:
+        parts.append(f"{len(not_utf8)} text file(s) not UTF-8, first {not_utf8[0]}")
+    return f"; skipped {skipped} document(s): {', '.join(parts)}"

@@ -158,7 +158,12 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, path: Path, eot_token: str | None) -> None:
         data = path.read_bytes()
-        self.tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as error:  # `tokenizers` raises a bare Exception for any file it cannot read
+            raise ValueError(
+                f"{path} is not a Hugging Face tokenizer file ({error}): restore it from the model it came with"
+            ) from None
         self.tokenizer.encode_special_tokens = True
         self.name = path.parent.resolve().name
         self.vocab_size = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
@@ -190,7 +195,12 @@ def _eos_token(directory: Path) -> str | None:
     """The ``eos_token`` that ``tokenizer_config.json`` or ``special_tokens_map.json`` of ``directory`` names."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (directory / name).is_file():
-            token = json.loads((directory / name).read_text()).get("eos_token")
+            try:
+                token = json.loads((directory / name).read_text(encoding="utf-8")).get("eos_token")
+            except (ValueError, AttributeError) as error:  # not UTF-8, not JSON, or not a JSON object
+                raise ValueError(
+                    f"{directory / name} is not a JSON object ({error}): restore it from the model it came with"
+                ) from None
             token = token.get("content") if isinstance(token, dict) else token
             if token:
                 return token

@@ -1,5 +1,6 @@
 """`mhar generate CHECKPOINT --prompt TEXT`: sample a continuation, streamed to the terminal, with a KV cache."""
 
+import math
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -51,7 +52,7 @@ def generate(
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model reads at most {limit}: shorten it")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be 0 or more, got {max_new_tokens}")
-    if temperature < 0:
+    if not 0 <= temperature < math.inf:  # NaN too
         raise ValueError(f"temperature must be 0 (greedy) or more, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be 1 or more (the likeliest tokens kept), got {top_k}")
@@ -104,6 +105,14 @@ def stream_text(ids: Iterator[int], decode) -> Iterator[str]:
         yield text[printed:]
 
 
+def recorded(ids: Iterator[int], produced: list[int], eot: int) -> Iterator[int]:
+    """`ids` without end-of-text tokens, each token (end-of-text too) also appended to `produced`."""
+    for token in ids:
+        produced.append(token)
+        if token != eot:
+            yield token
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ToolParser(prog="mhar generate", description=__doc__.splitlines()[0])
     add_model_options(parser)
@@ -131,12 +140,20 @@ def main(argv: list[str] | None = None) -> int:
             use_cache=not args.no_cache,
         )
         eot = loaded.tokenizer.eot_id
+        produced: list[int] = []
         sys.stdout.write(args.prompt)
-        for piece in stream_text((t for t in ids if t != eot), loaded.tokenizer.decode):
+        for piece in stream_text(recorded(ids, produced, eot), loaded.tokenizer.decode):
             sys.stdout.write(piece)
             sys.stdout.flush()
     except (ValueError, FileNotFoundError) as error:
         print(f"mhar generate: error: {error}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
+    limit = loaded.model.config.max_seq_len
+    if len(prompt) + len(produced) == limit and len(produced) < args.max_new_tokens and produced[-1:] != [eot]:
+        print(
+            f"mhar generate: stopped after {len(produced)} of --max-new-tokens {args.max_new_tokens} tokens: the"
+            f" prompt ({len(prompt)} tokens) and the continuation fill the model's context of {limit} tokens",
+            file=sys.stderr,
+        )
     return 0

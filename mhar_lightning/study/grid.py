@@ -81,8 +81,13 @@ def parse_variant(text: str, recipe: Path, strategies: Mapping[str, dict[str, An
     """`[NAME=]SPEC`: SPEC is a recipe (`.yaml`), a strategy of `strategies`, a registered residual name or a
     class path, the last two optionally with arguments (`mhar_lightning.residual.MHAR:heads=2,blocks=8`)."""
     name, eq, spec = text.partition("=")
-    if not eq or ":" in name or "/" in name:
+    if not eq or ":" in name or ("/" in name and spec.endswith((".yaml", ".yml"))):  # a path may hold a '='
         name, spec = "", text
+    elif SAFE_NAME.search(name) or name in ("", ".", ".."):
+        raise ValueError(
+            f"variant name {name!r} in {text!r} is not a plain name: use letters, digits, '.', '_' and '-' (not '.' or"
+            " '..' alone), e.g. mhar-h2=mhar:heads=2"
+        )
     if spec.endswith((".yaml", ".yml")):
         path = Path(spec)
         if not path.is_file():

@@ -150,7 +150,7 @@ def test_a_study_grown_by_a_later_call_keeps_its_baseline_and_reports_every_run(
 
 def test_a_study_refuses_other_arguments_for_its_runs(study: Path, capsys) -> None:
     assert compare([*GRID, "--out", str(study), *FAST, "--trainer.max_steps", "8"]) == 2
-    assert "was started as" in capsys.readouterr().out
+    assert "was started as" in capsys.readouterr().err
     assert json.loads((run_dir(study, "sum", 0) / "result.json").read_text())["steps"] == 6
 
 
@@ -187,11 +187,16 @@ def test_variants_seeds_and_overrides_in_any_order(capsys) -> None:
         (["sum", "--only", "mhar"], "no variant named 'mhar'; the variants are sum"),
         (["sum", "sum"], "variant names repeat"),
         (["mhar:heads"], "write arguments as key=value"),
+        *[([f"{name}=sum"], f"variant name {name!r} in '{name}=sum' is not a plain name: use letters, digits, '.',"
+           " '_' and '-' (not '.' or '..' alone), e.g. mhar-h2=mhar:heads=2") for name in ("..", ".", "/", "", "a b")],
     ],
-)
+)  # fmt: skip
 def test_bad_grids_are_one_line_errors(args: list[str], message: str, tmp_path: Path, capsys) -> None:
-    assert compare([*args, "--out", str(tmp_path)]) == 2
-    assert message in capsys.readouterr().out
+    out = tmp_path / "study"
+    assert compare([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -221,7 +226,7 @@ def test_report_only_of_a_missing_folder_is_refused(tmp_path: Path, capsys) -> N
 
 def test_runs_that_would_not_validate_their_final_weights_are_refused_before_training(tmp_path: Path, capsys) -> None:
     assert compare(["sum", "--seeds", "0", "--out", str(tmp_path), "--trainer.max_steps", "2"]) == 2
-    assert capsys.readouterr().out.strip() == (
+    assert capsys.readouterr().err.strip() == (
         "mhar compare: error: sum: trainer.val_check_interval=150 does not divide trainer.max_steps=2, so the run"
         " would not validate its final weights: pass --trainer.val_check_interval N, N a divisor of 2"
     )

@@ -2,6 +2,8 @@
 
 import json
 import os
+import shutil
+import struct
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
+from mhar_lightning.cli import main as mhar  # noqa: E402
 from mhar_lightning.commands.convert import export_main, main  # noqa: E402
 from mhar_lightning.convert import (  # noqa: E402 - after HF_HUB_OFFLINE is set
     ConversionError,
@@ -120,6 +123,77 @@ def test_cli_convert_then_export_round_trips_through_transformers(hf_dir, tmp_pa
     for exported in ("hf", "hf_from_model"):
         model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / exported, attn_implementation="eager")
         torch.testing.assert_close(hf_logits(model.eval()), reference, rtol=1e-5, atol=1e-5)
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one stderr line of `mhar argv`, which must exit 2 having printed nothing else."""
+    with pytest.raises(SystemExit) as done:
+        mhar(argv)
+    out, err = capsys.readouterr()
+    assert (done.value.code, out, len(err.strip().splitlines())) == (2, "", 1), err
+    return err.strip()
+
+
+HEADER_TOO_LARGE = struct.pack("<Q", 1 << 40) + b"{}"  # a safetensors header length of 1 TiB
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": "64"}, 'hidden_size="64" is not an integer: fix that field of config.json'),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5 is not an integer: fix that field of config.json"),
+        ({"num_attention_heads": True}, "num_attention_heads=true is not an integer: fix that field of config.json"),
+        ({"rms_norm_eps": "small"}, 'rms_norm_eps="small" is not a number: fix that field of config.json'),
+        ({"tie_word_embeddings": "no"}, 'tie_word_embeddings="no" is not true or false: fix that field of config.json'),
+    ],
+)
+def test_convert_refuses_a_config_field_of_the_wrong_type_in_one_line(hf_dir, tmp_path, capsys, change, message):
+    src = shutil.copytree(hf_dir[0], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text()) | change
+    (src / "config.json").write_text(json.dumps(config))
+    line = refused(["convert-hf", str(src), str(tmp_path / "out"), "--residual", "sum"], capsys)
+    assert line == f"mhar convert-hf: error: {src / 'config.json'}: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def converted_dir(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("converted") / "sum"
+    assert main([str(hf_dir[0]), str(out), "--residual", "sum"]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("model.safetensors", HEADER_TOO_LARGE, "{file} is not a readable safetensors file (Error while deserializing"
+         " header: header too large): restore it from the source"),
+        ("tokenizer.json", b"{not json", "{file} is not a Hugging Face tokenizer file (key must be a string at line 1"
+         " column 2): restore it from the model it came with"),
+        ("tokenizer.json", b'{"model": "caf\xe9"}', "{file} is not a Hugging Face tokenizer file ('utf-8' codec"
+         " can't decode byte 0xe9 in position 14: invalid continuation byte): restore it from the model it came with"),
+    ],
+)  # fmt: skip
+def test_a_damaged_file_of_a_converted_directory_is_one_line_naming_it(
+    converted_dir, tmp_path, capsys, name, data, message
+):
+    conv = shutil.copytree(converted_dir, tmp_path / "conv")
+    (conv / name).write_bytes(data)
+    line = refused(["generate", str(conv), "--prompt", "x"], capsys)
+    assert line == "mhar generate: error: " + message.format(file=conv / name)
+    assert (conv / name).read_bytes() == data
+
+
+def test_convert_refuses_a_safetensors_header_too_large_in_one_line(hf_dir, tmp_path, capsys):
+    src = shutil.copytree(hf_dir[0], tmp_path / "src")
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard.write_bytes(HEADER_TOO_LARGE)
+    line = refused(["convert-hf", str(src), str(tmp_path / "out"), "--residual", "sum"], capsys)
+    assert line == (
+        f"mhar convert-hf: error: {shard} is not a readable safetensors file (Error while deserializing header: header"
+        " too large): restore it from the source"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_tied_single_file_checkpoint(tmp_path):

@@ -1,16 +1,22 @@
 """`mhar prepare`: sources, the deterministic validation split, the CLI, and the cached default corpus."""
 
+import errno
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from data_helpers import split_documents
 
+from mhar_lightning.cli import main as mhar
 from mhar_lightning.data import corpus
 from mhar_lightning.data.prepare import discover, main, prepare_files
-from mhar_lightning.data.shards import ShardIndex, TokenStream
+from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenStream
 from mhar_lightning.data.tokenizer import load_tokenizer
 
 BYTE = load_tokenizer("byte")
@@ -100,6 +106,70 @@ def test_a_jsonl_line_without_string_text_is_named_by_file_and_line(tmp_path: Pa
     assert capsys.readouterr().err == (
         f"mhar prepare: error: {src}:3 is not a JSON object with a string 'text' field: fix or remove that line\n"
     )
+
+
+def refused(argv: list[str], capsys) -> str:
+    """The one stderr line of `mhar prepare argv`, which must exit 2 having printed nothing else."""
+    with pytest.raises(SystemExit) as done:
+        mhar(["prepare", *argv, "--tokenizer", "byte", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert (done.value.code, out, len(err.strip().splitlines())) == (2, "", 1), err
+    return err.strip()
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "docs.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    assert refused([str(src), str(tmp_path / "out")], capsys) == (
+        f"mhar prepare: error: {src}:2 is not UTF-8 text (invalid continuation byte at byte 13 of the line):"
+        " re-encode the file as UTF-8, or fix or remove that line"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]
+
+
+def test_text_files_that_are_not_utf8_are_counted_and_named_in_the_summary(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, doc in enumerate(DOCS[:20]):
+        (src / f"{i:02d}.txt").write_text(doc)
+    (src / "20-latin1.txt").write_bytes("café".encode("latin-1"))
+    (src / "21-empty.txt").write_text("")
+    assert main([str(src), str(tmp_path / "out"), "--tokenizer", "byte", "--val-fraction", "0.2", "--no-progress"]) == 0
+    summary = capsys.readouterr().out.strip()
+    assert summary.endswith(
+        f"; skipped 2 document(s): 1 empty or binary, 1 text file(s) not UTF-8, first {src / '20-latin1.txt'}"
+    )
+    index = ShardIndex.load(tmp_path / "out")
+    assert sum(index.documents.values()) == 20 and index.meta["skipped_not_utf8"] == [str(src / "20-latin1.txt")]
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    def full(self, tokens) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ShardWriter, "write", full)
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "data" / "out"
+    assert refused([str(src), str(out)], capsys) == (
+        f"mhar prepare: error: the disk of {out.parent} is full (No space left on device) while writing {out}: free"
+        " space there or choose an output folder on another disk"
+    )
+    assert list(out.parent.iterdir()) == []
+
+
+def test_a_prepare_killed_mid_way_leaves_no_temporary_folder_after_the_next(tmp_path: Path) -> None:
+    src = _write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    out = tmp_path / "out"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    killed = tmp_path / f".out.tmp-{host}-{int(ended.stdout)}-{'a' * 32}"  # the folder of a process that has ended
+    running = tmp_path / f".out.tmp-{host}-{os.getpid()}-{'b' * 32}"  # a preparation still under way
+    elsewhere = tmp_path / f".out.tmp-other-host-1-{'c' * 32}"  # one on another machine sharing the disk
+    for folder in (killed, running, elsewhere):
+        folder.mkdir()
+        (folder / "train_00000.bin").write_bytes(b"partial")
+    prepare_files([src], out, BYTE, val_fraction=0.1, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["docs.jsonl", "out", running.name, elsewhere.name])
 
 
 def test_default_corpus_is_cached_and_safe_to_prepare_concurrently() -> None:

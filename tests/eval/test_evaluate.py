@@ -134,6 +134,7 @@ def test_cli_refuses_bad_options_before_evaluating(run, tmp_path, capsys, monkey
         (["--top-p", "0"], "top_p must be in (0, 1] (the probability mass kept), got 0.0"),
         (["--top-p", "1.5"], "top_p must be in (0, 1] (the probability mass kept), got 1.5"),
         (["--temperature", "-1"], "temperature must be 0 (greedy) or more, got -1.0"),
+        (["--temperature", "nan"], "temperature must be 0 (greedy) or more, got nan"),
         (["--device", "cuda:99"], "device 'cuda:99' is not available: this machine has "),
         (["--device", "gpu"], "unknown device 'gpu': use cpu, cuda or cuda:N"),
         (["--prompt", "x" * 100], "the prompt has 100 tokens; the model reads at most 16: shorten it"),
@@ -187,6 +188,26 @@ def test_cli_generate_streams_greedy_tokens(run, capsys):
     while len(ids) < model.config.max_seq_len and ids[-1] != 0:  # up to the model's length or end-of-text
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     assert capsys.readouterr().out == ByteTokenizer().decode([t for t in ids if t != 0]) + "\n"
+
+
+def test_cli_generate_says_that_it_stopped_at_the_models_context(run, capsys):
+    checkpoint, _ = run
+    model = load_model(checkpoint, device="cpu").model
+    ids = list(b"The quick")
+    while len(ids) < model.config.max_seq_len:
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert 0 not in ids, "greedy decoding ends the text before the context is full: choose another prompt"
+    with pytest.raises(SystemExit) as done:
+        mhar(["generate", str(checkpoint), "--prompt", "The quick", "--max-new-tokens", "20", "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0 and out == ByteTokenizer().decode(ids) + "\n"
+    assert err.strip() == (
+        "mhar generate: stopped after 7 of --max-new-tokens 20 tokens: the prompt (9 tokens) and the continuation"
+        " fill the model's context of 16 tokens"
+    )
+    with pytest.raises(SystemExit):
+        mhar(["generate", str(checkpoint), "--prompt", "The quick", "--max-new-tokens", "7", "--temperature", "0"])
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_errors_are_one_line(run, tmp_path, capsys):
