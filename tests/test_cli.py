@@ -97,7 +97,7 @@ def test_model_vocab_set_against_the_tokenizer_is_refused(tmp_path: Path, capsys
         ("--model.compile_options", '{"combo_kernel": true}', "unknown Inductor option(s) ['combo_kernel']"),
         ("--ckpt_path", "missing.ckpt", "checkpoint missing.ckpt does not exist"),
         ("--ckpt_path", str(DEMO.parent), f"{DEMO.parent} is a folder, not a checkpoint"),
-        ("--model.optimizer.lrr", "1", "model.optimizer has no field 'lrr'; valid fields: lr, weight_decay,"),
+        ("--model.optimizer.lrr", "1", "model.optimizer has no field 'lrr'; valid fields: name, lr, weight_decay,"),
     ],
 )
 def test_an_argument_that_does_not_fit_is_one_line(tmp_path: Path, capsys, flag, value, message) -> None:
