@@ -1,5 +1,5 @@
-"""Hugging Face export of every strategy: routed models load with trust_remote_code and match the kit's logits and
-greedy tokens; `sum` stays a LlamaForCausalLM; the tokenizer travels with the export."""
+"""Hugging Face export of every strategy and model shape: routed models load with trust_remote_code and match the
+kit's logits and greedy tokens; `sum` stays a LlamaForCausalLM; the tokenizer travels with the export."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import os
 import lightning
 import pytest
 import torch
-from eval_helpers import CONFIG, STRATEGIES, random_decoder, trained_checkpoint
+from eval_helpers import CONFIG, CONVERTED_SHAPE, STRATEGIES, random_decoder, trained_checkpoint
 from safetensors import safe_open
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -28,9 +28,11 @@ def load_export(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
 
 
+@pytest.mark.parametrize("shape", ["default", "converted"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_export_matches_logits_and_greedy_tokens(strategy, tmp_path):
-    model = random_decoder(strategy)
+def test_export_matches_logits_and_greedy_tokens(strategy, shape, tmp_path):
+    """Every strategy, in the default shape and with every field Hugging Face conversion accepts."""
+    model = random_decoder(strategy, config=CONFIG if shape == "default" else CONVERTED_SHAPE)
     out = export_hf(model, tmp_path / f"export-{strategy}", tokenizer=ByteTokenizer())
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == ("llama" if strategy == "sum" else "mhar")
