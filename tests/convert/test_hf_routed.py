@@ -73,8 +73,9 @@ def test_tokenizer_travels_with_the_export(name, tmp_path):
     assert theirs.eos_token_id == ours.eot_id == json.loads((out / "config.json").read_text())["eos_token_id"]
 
 
-def test_cli_exports_a_trained_checkpoint(tmp_path):
-    checkpoint, _ = trained_checkpoint(tmp_path / "run", "delta-mhar")
+@pytest.mark.parametrize("residual", ["delta-mhar", "hyper-connections"])
+def test_cli_exports_a_trained_checkpoint(residual, tmp_path):
+    checkpoint, _ = trained_checkpoint(tmp_path / "run", residual)
     with pytest.raises(SystemExit) as done:
         mhar(["export-hf", str(checkpoint), str(tmp_path / "hf")])
     assert done.value.code == 0
