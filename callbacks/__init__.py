@@ -2,6 +2,7 @@
 
 from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
+from mhar_lightning.callbacks.downstream import DownstreamTasks
 from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
 from mhar_lightning.callbacks.model_summary import ParameterSummary
@@ -11,6 +12,7 @@ from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
     "DepthAttentionLogger",
+    "DownstreamTasks",
     "FinalStepCheckpoint",
     "HeadDisagreementProbe",
     "ParameterSummary",

@@ -1,0 +1,58 @@
+"""Log-likelihood scoring of continuations, and the accuracy of a multiple-choice task by the per-byte likelihood."""
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mhar_lightning.data.tokenizer import Tokenizer
+from mhar_lightning.downstream.tasks import Task
+
+Pair = tuple[list[int], list[int]]
+
+
+@torch.no_grad()
+def continuation_logprobs(
+    model: Callable[[Tensor], Tensor], pairs: Sequence[Pair], batch_size: int, max_length: int, pad_id: int
+) -> list[tuple[float, bool]]:
+    """(sum of the log-probabilities of the continuation, whether greedy decoding produces it) per (context,
+    continuation) pair of token lists. `model` maps tokens [B, T] to logits [B, T, vocab]. Rows run longest first in
+    batches, right-padded with `pad_id` (padding after a row cannot change its causal logits); contexts longer than
+    `max_length` are cut from the left."""
+    results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+    order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        rows = [(pairs[i][0] + pairs[i][1])[-(max_length + 1) : -1] for i in batch]
+        inputs = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+        for r, row in enumerate(rows):
+            inputs[r, : len(row)] = torch.tensor(row)
+        logits = model(inputs)
+        logprobs = F.log_softmax(logits.float(), dim=-1)
+        for r, i in enumerate(batch):
+            continuation = pairs[i][1][-len(rows[r]) :]
+            target = torch.tensor(continuation, device=logprobs.device)
+            scored = logprobs[r, len(rows[r]) - len(continuation) : len(rows[r])]
+            logprob = float(scored.gather(-1, target[:, None]).sum())
+            results[i] = (logprob, bool((scored.argmax(-1) == target).all()))
+    return results
+
+
+def task_accuracy(
+    model: Callable[[Tensor], Tensor], tokenizer: Tokenizer, task: Task, batch_size: int, max_length: int
+) -> float:
+    """The fraction of `task`'s examples whose answer has the highest log-likelihood per UTF-8 byte among its
+    choices (lm-evaluation-harness's `acc_norm`, so choices of different lengths compare). Each context follows an
+    end-of-text token, as a document does in training."""
+    pairs, spans = [], []
+    for example in task.examples:
+        context = [tokenizer.eot_id, *tokenizer.encode(example.context)]
+        spans.append(range(len(pairs), len(pairs) + len(example.choices)))
+        pairs += [(context, tokenizer.encode(choice)) for choice in example.choices]
+    scores = continuation_logprobs(model, pairs, batch_size, max_length, tokenizer.eot_id)
+    correct = 0
+    for example, span in zip(task.examples, spans, strict=True):
+        per_byte = [scores[i][0] / max(len(choice.encode()), 1) for i, choice in zip(span, example.choices)]
+        correct += max(range(len(per_byte)), key=per_byte.__getitem__) == example.answer
+    return correct / len(task.examples)
