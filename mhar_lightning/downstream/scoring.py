@@ -24,18 +24,22 @@ def continuation_logprobs(
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
-        rows = [(pairs[i][0] + pairs[i][1])[-(max_length + 1) : -1] for i in batch]
-        inputs = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-        for r, row in enumerate(rows):
-            inputs[r, : len(row)] = torch.tensor(row)
-        logits = model(inputs)
-        logprobs = F.log_softmax(logits.float(), dim=-1)
+        sequences = [(pairs[i][0] + pairs[i][1])[-(max_length + 1) :] for i in batch]
+        width = max(map(len, sequences)) - 1
+        inputs = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        targets = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        scored = torch.zeros((len(batch), width), dtype=torch.bool)
+        for r, (i, sequence) in enumerate(zip(batch, sequences, strict=True)):
+            n = len(sequence) - 1
+            inputs[r, :n], targets[r, :n] = torch.tensor(sequence[:-1]), torch.tensor(sequence[1:])
+            scored[r, n - min(len(pairs[i][1]), n) : n] = True
+        logits = model(inputs).float()
+        targets, scored = targets.to(logits.device), scored.to(logits.device)
+        token_logprobs = logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
+        logprobs = torch.where(scored, token_logprobs, 0.0).sum(-1).tolist()
+        greedy = ((logits.argmax(-1) == targets) | ~scored).all(-1).tolist()
         for r, i in enumerate(batch):
-            continuation = pairs[i][1][-len(rows[r]) :]
-            target = torch.tensor(continuation, device=logprobs.device)
-            scored = logprobs[r, len(rows[r]) - len(continuation) : len(rows[r])]
-            logprob = float(scored.gather(-1, target[:, None]).sum())
-            results[i] = (logprob, bool((scored.argmax(-1) == target).all()))
+            results[i] = (logprobs[r], greedy[r])
     return results
 
 
