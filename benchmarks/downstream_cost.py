@@ -60,7 +60,9 @@ def main() -> None:
         ratios.append(scoring / step)
         print(f"rep {rep}: {step:.3f} s CPU per training step, {scoring:.2f} s per scoring = {ratios[-1]:.1f} steps")
     median = statistics.median(ratios)
-    print(f"median {median:.1f} steps: +{median / DEMO_VAL_INTERVAL:.1%} at a validation every {DEMO_VAL_INTERVAL} steps")
+    print(
+        f"median {median:.1f} steps: +{median / DEMO_VAL_INTERVAL:.1%} at a validation every {DEMO_VAL_INTERVAL} steps"
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ class DownstreamTasks(L.Callback):
         every_n_validations: int = 1,
     ) -> None:
         if batch_size < 1 or every_n_validations < 1:
-            raise ValueError(f"batch_size and every_n_validations must be >= 1, got {batch_size}, {every_n_validations}")
+            raise ValueError(
+                f"batch_size and every_n_validations must be >= 1, got {batch_size}, {every_n_validations}"
+            )
         self.tasks: list[Task] = [load_task(spec, max_examples) for spec in (SHIPPED if tasks is None else tasks)]
         names = [task.name for task in self.tasks]
         if len(set(names)) < len(names):

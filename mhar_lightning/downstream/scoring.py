@@ -3,7 +3,6 @@
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mhar_lightning.data.tokenizer import Tokenizer

@@ -26,7 +26,6 @@ from mhar_lightning.eval.generate import generate
 from mhar_lightning.eval.loading import load_model
 
 
-
 @register_model("mhar")
 class MharLM(TemplateLM):
     """A checkpoint (`.ckpt`, consolidated, or converted directory) as an lm-eval language model.

@@ -6,8 +6,8 @@ import json
 import pytest
 from cli_helpers import NO_PROBES, fast_demo_args, scalars
 from eval_helpers import tiny_corpus
-
 from mhar_lightning.callbacks import DownstreamTasks
+
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data.tokenizer import load_tokenizer
 from mhar_lightning.downstream import load_task, task_accuracy

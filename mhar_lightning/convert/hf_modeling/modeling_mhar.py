@@ -199,7 +199,7 @@ class DeltaStream:
 
 
 class HyperStream:
-    """Hyper-connections: `rate` streams; a read computes its site's read, mix and write weights, the write uses them."""
+    """Hyper-connections: `rate` streams; a read computes its site's read, mix and write weights, used by its write."""
 
     def __init__(self, config: MharConfig, embedding: Tensor, final: Router) -> None:
         self.rate = config.residual_args.get("rate", 4)
