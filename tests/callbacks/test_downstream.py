@@ -63,3 +63,15 @@ def test_bad_arguments_are_refused_in_one_line(tmp_path):
     (tmp_path / "a" / "arithmetic.jsonl").write_text(json.dumps({"context": "1 =", "choices": ["1", "2"], "answer": 0}))
     with pytest.raises(ValueError, match="share a name; give each file its own name"):
         DownstreamTasks(tasks=["arithmetic", str(tmp_path / "a" / "arithmetic.jsonl")])
+
+
+def test_a_missing_task_file_is_refused_by_mhar_fit_in_one_line(tmp_path, capsys):
+    flags = ["--trainer.callbacks+=mhar_lightning.callbacks.DownstreamTasks", "--trainer.callbacks.tasks", "[no.jsonl]"]
+    with pytest.raises(SystemExit) as done:
+        mhar([*fast_demo_args(tmp_path, 1), *flags])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mhar: error: downstream task 'no.jsonl' is neither a shipped task (python-keywords, python-brackets,"
+        " arithmetic) nor a file"
+    )
+    assert not (tmp_path / "checkpoints").exists()
