@@ -1,4 +1,5 @@
-"""Lightning callbacks for studying depth routing and training speed, and for checkpointing and resuming runs."""
+"""Lightning callbacks for studying depth routing, training speed and downstream scores, and for checkpointing and
+resuming runs."""
 
 from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
