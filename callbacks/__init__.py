@@ -1,7 +1,9 @@
-"""Lightning callbacks for studying depth routing and training speed, and for checkpointing and resuming runs."""
+"""Lightning callbacks for studying depth routing, training speed and downstream scores, and for checkpointing and
+resuming runs."""
 
 from mhar_lightning.callbacks.checkpoint import FinalStepCheckpoint
 from mhar_lightning.callbacks.depth_attention import DepthAttentionLogger
+from mhar_lightning.callbacks.downstream import DownstreamTasks
 from mhar_lightning.callbacks.head_disagreement import HeadDisagreementProbe
 from mhar_lightning.callbacks.memory import PeakMemoryMonitor
 from mhar_lightning.callbacks.model_summary import ParameterSummary
@@ -13,6 +15,7 @@ from mhar_lightning.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
     "DepthAttentionLogger",
+    "DownstreamTasks",
     "FinalStepCheckpoint",
     "HeadDisagreementProbe",
     "ParameterSummary",

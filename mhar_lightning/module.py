@@ -14,10 +14,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from mhar_lightning.bits_per_byte import BitsPerByte
 from mhar_lightning.callbacks import ResumeDueValidation, SameWorldSize
 from mhar_lightning.checkpoint.finite import check_finite_state
 from mhar_lightning.config import ModelConfig, padded_vocab
 from mhar_lightning.convert import converted_state_dict, pretrained_model
+from mhar_lightning.data.token_bytes import token_bytes
 from mhar_lightning.divergence import NonFiniteGuard, tensors_finite
 from mhar_lightning.dtypes import dtype_from_name
 from mhar_lightning.errors import CheckpointError
@@ -170,6 +172,7 @@ class LanguageModel(L.LightningModule):
         self.decoder: Decoder | None = None
         self.flops_per_batch = 0
         self._step_loss: Tensor | None = None
+        self.bits_per_byte: BitsPerByte | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -220,11 +223,14 @@ class LanguageModel(L.LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         return self.decoder(tokens)
 
-    def loss(self, batch: Tensor) -> Tensor:
-        """Mean next-token loss of a [B, T + 1] batch of token windows."""
+    def loss(self, batch: Tensor, bits_per_byte: BitsPerByte | None = None) -> Tensor:
+        """Mean next-token loss of a [B, T + 1] batch of token windows (added to `bits_per_byte` if given)."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         hidden = self.decoder.hidden(inputs)
-        return chunked_cross_entropy(hidden, self.decoder.head.weight, targets, self.loss_chunk_tokens)
+        loss = chunked_cross_entropy(hidden, self.decoder.head.weight, targets, self.loss_chunk_tokens)
+        if bits_per_byte is not None:
+            bits_per_byte.update(hidden, self.decoder.head.weight, targets, loss, self.loss_chunk_tokens)
+        return loss
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
@@ -236,7 +242,7 @@ class LanguageModel(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self.loss(batch)
+        loss = self.loss(batch, self.bits_per_byte)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -245,10 +251,22 @@ class LanguageModel(L.LightningModule):
         self.log("test/loss", loss, sync_dist=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        """Bits per byte need the UTF-8 bytes of every token id: a table made once, from the data's tokenizer."""
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
+        if self.bits_per_byte is None and tokenizer is not None:
+            self.bits_per_byte = BitsPerByte(token_bytes(tokenizer, self.model_config.vocab_size))
+        if self.bits_per_byte is not None:
+            self.bits_per_byte.reset()
+
     def on_validation_epoch_end(self) -> None:
         loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", math.exp(min(float(loss), 50.0)))
+        if self.bits_per_byte is not None:
+            bpb = self.bits_per_byte.value(lambda sums: self.trainer.strategy.reduce(sums, reduce_op="sum"))
+            if bpb is not None:
+                self.log("val/bpb", bpb)
 
     def check_strategy(self, trainer: L.Trainer) -> None:
         """Refuse training settings that `trainer`'s strategy cannot run, and resolve `compiled_autograd="auto"`."""

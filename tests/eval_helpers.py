@@ -1,10 +1,11 @@
 """Small decoders of every strategy with every parameter random (routing too, so routing is really exercised)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from mhar_lightning.config import ModelConfig
+from mhar_lightning.config import ModelConfig, RopeScaling
 from mhar_lightning.model import Decoder
 from mhar_lightning.residual import make_residual
 
@@ -14,8 +15,19 @@ STRATEGIES = {
     "mhar-full": ("mhar", {"heads": 4}),
     "mhar-block": ("mhar", {"heads": 4, "blocks": 3}),
     "delta-mhar": ("delta-mhar", {"heads": 2, "block_size": 1}),
+    "hc-static": ("hyper-connections", {"rate": 3, "dynamic": False}),
+    "hc-dynamic": ("hyper-connections", {"rate": 2}),
 }
 CONFIG = ModelConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64)
+CONVERTED_SHAPE = replace(
+    CONFIG,
+    head_size=12,
+    rope_scaling=RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16),
+    attention_bias=True,
+    mlp_bias=True,
+    tie_embeddings=False,
+)
+"""Every field that Hugging Face conversion accepts: a separate head size, Llama 3.1 RoPE scaling, biases, untied."""
 
 
 def random_decoder(strategy: str, seed: int = 0, config: ModelConfig = CONFIG) -> Decoder:

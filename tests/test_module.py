@@ -1,5 +1,5 @@
-"""`LanguageModel` against independent references: FLOPs formula, clipping, validation loss and perplexity, eager
-autograd."""
+"""`LanguageModel` against independent references: FLOPs formula, clipping, validation loss, perplexity and bits per
+byte, eager autograd."""
 
 import math
 from types import SimpleNamespace
@@ -77,9 +77,13 @@ def test_validation_loss_and_perplexity_match_full_logits(tmp_path) -> None:
     windows = torch.stack([data.val_dataset[i] for i in range(len(data.val_dataset))])
     with torch.no_grad():
         logits = model.decoder(windows[:, :-1])
-    want = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+    targets = windows[:, 1:].flatten()
+    nats = F.cross_entropy(logits.flatten(0, 1), targets, reduction="none")
+    want = nats.mean().item()
     assert metrics["val/loss"] == pytest.approx(want, rel=1e-5)
     assert metrics["val/ppl"] == pytest.approx(math.exp(want), rel=1e-5)
+    text = targets != data.tokenizer.eot_id  # every byte token stands for one byte, end-of-text for none
+    assert metrics["val/bpb"] == pytest.approx(nats[text].sum().item() / math.log(2) / text.sum().item(), rel=1e-5)
 
 
 def test_bf16_mixed_trains_with_fp32_weights(tmp_path) -> None:

@@ -107,7 +107,7 @@ def stored_dtype(path: str | Path) -> str:
 
 
 def export_main(argv: list[str] | None = None) -> int:
-    """`mhar export-hf SRC OUT`: a checkpoint (any strategy but hyper-connections) to a Hugging Face directory."""
+    """`mhar export-hf SRC OUT`: a checkpoint of any strategy to a Hugging Face directory."""
     parser = argparse.ArgumentParser(
         prog="mhar export-hf",
         description="Export a checkpoint (.ckpt, consolidated, or converted directory) to a Hugging Face directory: "

@@ -71,6 +71,14 @@ def rope_scaling_of(rope: dict) -> RopeScaling | None:
     )
 
 
+def llama3_rope_parameters(scaling: RopeScaling | None) -> dict | None:
+    """`scaling` under Hugging Face's Llama 3.1 key names (`LLAMA3_ROPE_KEYS`); None when unscaled."""
+    if scaling is None:
+        return None
+    values = (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len)
+    return dict(zip(LLAMA3_ROPE_KEYS, values, strict=True))
+
+
 def hf_config_to_model_config(hf_config: dict) -> ModelConfig:
     """The `ModelConfig` of a Hugging Face `config.json`; refuses anything this decoder would compute differently."""
     check_field_types(hf_config)
@@ -129,14 +137,7 @@ def model_config_to_hf_config(config: ModelConfig, dtype: torch.dtype, tokens: d
     dtype_name = str(dtype).removeprefix("torch.")
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
-        scaling = config.rope_scaling
-        rope |= {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        }
+        rope |= {"rope_type": "llama3", **llama3_rope_parameters(config.rope_scaling)}
     return {
         "architectures": list(SUPPORTED_ARCHITECTURES),
         "model_type": "llama",

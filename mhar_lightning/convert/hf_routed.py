@@ -1,4 +1,5 @@
-"""Export routed models (`mhar`, `attnres`, `delta-mhar`) as Hugging Face directories with their own modeling code.
+"""Export `mhar`, `attnres`, `delta-mhar` and `hyper-connections` models as Hugging Face directories with their own
+modeling code.
 
 The directory holds `config.json` (`model_type: mhar`, an `auto_map` to the shipped code), the weights under the
 `Decoder`'s own parameter names, and `configuration_mhar.py` + `modeling_mhar.py` (plain PyTorch, copied from
@@ -15,11 +16,12 @@ import torch
 from torch import Tensor
 
 from mhar_lightning.config import ModelConfig
+from mhar_lightning.convert.hf_llama import llama3_rope_parameters
 from mhar_lightning.convert.safetensors_io import ConversionError, TensorEntry, parse_size, write_sharded
 
 CODE_DIR = Path(__file__).parent / "hf_modeling"
 CODE_FILES = ("configuration_mhar.py", "modeling_mhar.py")
-ROUTED = ("mhar", "attnres", "delta-mhar")
+ROUTED = ("mhar", "attnres", "delta-mhar", "hyper-connections")
 EXPORTED_FIELDS = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
@@ -30,20 +32,22 @@ EXPORTED_FIELDS = {
     "rope_theta": "rope_base",
     "max_seq_len": "max_position_embeddings",
     "norm_eps": "rms_norm_eps",
+    "attention_bias": "attention_bias",
+    "mlp_bias": "mlp_bias",
 }
-"""ModelConfig field -> MharConfig key; `tie_embeddings` and `init_std` need none (the head is stored)."""
+"""ModelConfig field -> MharConfig key; `head_size` and `rope_scaling` are written by `routed_hf_config`,
+`tie_embeddings` and `init_std` need none (the head is stored)."""
+HANDLED_FIELDS = (*EXPORTED_FIELDS, "head_size", "rope_scaling", "tie_embeddings", "init_std")
 
 
 def check_exportable(config: ModelConfig, residual: str) -> None:
-    """Refuse a strategy or a model shape that `modeling_mhar.py` does not implement."""
+    """Refuse a strategy, or a `ModelConfig` field that `routed_hf_config` does not write (one added later)."""
     if residual not in ROUTED:
         raise ConversionError(
             f"residual {residual!r} has no Hugging Face implementation; exportable: sum, {', '.join(ROUTED)}"
         )
     for field in dataclasses.fields(ModelConfig):
-        if field.name not in (*EXPORTED_FIELDS, "tie_embeddings", "init_std") and getattr(config, field.name) != (
-            field.default
-        ):
+        if field.name not in HANDLED_FIELDS and getattr(config, field.name) != field.default:
             raise ConversionError(f"ModelConfig.{field.name}={getattr(config, field.name)!r} does not export yet")
 
 
@@ -57,6 +61,8 @@ def routed_hf_config(config: ModelConfig, spec: Mapping, dtype: torch.dtype, tok
             "AutoModelForCausalLM": "modeling_mhar.MharForCausalLM",
         },
         **{theirs: getattr(config, ours) for ours, theirs in EXPORTED_FIELDS.items()},
+        "head_dim": config.head_dim,
+        "rope_llama3": llama3_rope_parameters(config.rope_scaling),
         "residual": spec["name"],
         "residual_args": dict(spec["args"]),
         "tie_word_embeddings": False,

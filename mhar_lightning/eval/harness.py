@@ -12,7 +12,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -24,10 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from mhar_lightning.arguments import ToolParser
+from mhar_lightning.downstream.scoring import Pair, continuation_logprobs
 from mhar_lightning.eval.generate import generate
 from mhar_lightning.eval.loading import load_model
-
-Pair = tuple[list[int], list[int]]
 
 
 @register_model("mhar")
@@ -77,22 +75,11 @@ class MharLM(TemplateLM):
     def score(self, pairs: Sequence[Pair]) -> list[tuple[float, bool]]:
         """(sum of log-probabilities of the continuation, whether greedy decoding produces it) per (context,
         continuation) pair of token lists, longest first in batches."""
-        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
-        order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
-        for first in range(0, len(order), self.batch_size):
-            batch = order[first : first + self.batch_size]
-            rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) : -1] for i in batch]
-            inputs = torch.full((len(rows), max(map(len, rows))), self.eot_token_id, dtype=torch.long)
-            for r, row in enumerate(rows):
-                inputs[r, : len(row)] = torch.tensor(row)
-            logprobs = F.log_softmax(self.model(inputs.to(self._device)).float(), dim=-1)
-            for r, i in enumerate(batch):
-                continuation = pairs[i][1][-len(rows[r]) :]
-                target = torch.tensor(continuation, device=self._device)
-                scored = logprobs[r, len(rows[r]) - len(continuation) : len(rows[r])]
-                logprob = float(scored.gather(-1, target[:, None]).sum())
-                results[i] = (logprob, bool((scored.argmax(-1) == target).all()))
-        return results
+
+        def model(tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(tokens.to(self._device))
+
+        return continuation_logprobs(model, pairs, self.batch_size, self.max_length, self.eot_token_id)
 
     def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
         results = self.score([(context, continuation) for _, context, continuation in requests])

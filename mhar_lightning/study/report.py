@@ -56,6 +56,10 @@ class VariantSummary:
     tokens: int
     val_loss: float
     val_loss_sd: float | None
+    val_bpb: float | None
+    val_bpb_sd: float | None
+    downstream: dict[str, tuple[float, float | None]]
+    """Task -> mean accuracy and its standard deviation over the seeds that logged it."""
     gap: float | None
     gap_sd: float | None
     tokens_per_sec: float | None
@@ -80,6 +84,12 @@ def alone_speed(runs: list[RunResult]) -> float | None:
     return mean_of([r.tokens_per_sec for r in runs if r.shared == 1])
 
 
+def mean_sd_of(values: list[float | None]) -> tuple[float | None, float | None]:
+    """`mean_sd` of the finite values (None, None when there are none)."""
+    present = [v for v in values if finite(v)]
+    return mean_sd(present) if present else (None, None)
+
+
 def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
     """Per-variant summaries in the order variants first appear in `runs`."""
     by_variant: dict[str, list[RunResult]] = {}
@@ -100,6 +110,8 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
             if r.seed in base and finite(r.initial_val_loss) and finite(base[r.seed].initial_val_loss)
         ]
         speed, memory = alone_speed(group), mean_of([r.peak_memory_gib for r in group])
+        bpb, bpb_sd = mean_sd_of([r.val_bpb for r in group])
+        tasks = sorted({task for r in group for task in r.downstream})
         summaries.append(
             VariantSummary(
                 variant=name,
@@ -110,6 +122,9 @@ def summarize(runs: list[RunResult], baseline: str) -> list[VariantSummary]:
                 tokens=group[0].tokens,
                 val_loss=val,
                 val_loss_sd=val_sd,
+                val_bpb=bpb,
+                val_bpb_sd=bpb_sd,
+                downstream={task: mean_sd_of([r.downstream.get(task) for r in group]) for task in tasks},
                 gap=gap,
                 gap_sd=gap_sd,
                 tokens_per_sec=speed,
@@ -138,7 +153,7 @@ def num(value: float | None, fmt: str) -> str:
 def summary_rows(summaries: list[VariantSummary], baseline: str) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the summary table (shared by the Markdown report and the console table)."""
     header = [
-        "variant", "seeds", "params", "routing params", "tokens", "val loss", f"vs {baseline}",
+        "variant", "seeds", "params", "routing params", "tokens", "val loss", f"vs {baseline}", "val bpb",
         "tokens/s", "speed", "peak GiB", "memory",
     ]  # fmt: skip
     rows = [
@@ -150,6 +165,7 @@ def summary_rows(summaries: list[VariantSummary], baseline: str) -> tuple[list[s
             f"{s.tokens:,}",
             pm(s.val_loss, s.val_loss_sd),
             pm(s.gap, s.gap_sd, sign=True),
+            pm(s.val_bpb, s.val_bpb_sd),
             num(s.tokens_per_sec, ",.0f"),
             num(s.speed_ratio, ".2f") + ("x" if finite(s.speed_ratio) else ""),
             num(s.peak_memory_gib, ".2f"),
@@ -196,7 +212,9 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         "",
         f"{len(runs)} finished runs of {len(summaries)} variants, seeds {', '.join(map(str, seeds))}. Baseline:"
         f" `{baseline}`. Validation loss is the last logged `val/loss` of each run; `± ` is the sample standard"
-        f" deviation over seeds; the gap to `{baseline}` is paired by seed (same seed, same data order). Speed and"
+        f" deviation over seeds; the gap to `{baseline}` is paired by seed (same seed, same data order). Bits per"
+        " byte (`val/bpb`) divide the same validation's loss by the UTF-8 bytes its tokens stand for, so runs with"
+        " different tokenizers compare. Speed and"
         " memory are ratios of the means (tokens/s: median of the rolling averages logged in the second half of a"
         " run; memory: peak allocated).",
         *shared_note(runs),
@@ -228,6 +246,7 @@ def markdown(runs: list[RunResult], summaries: list[VariantSummary], baseline: s
         for r in runs
     ]
     lines += markdown_table(header, cells)
+    lines += downstream_section(summaries)
     if any(s.initial_val_loss is not None for s in summaries):
         lines += [
             "",
@@ -286,6 +305,23 @@ def cost_note(runs: list[RunResult], summaries: list[VariantSummary], baseline: 
         f" variant's advantage. `-`: no speed measured alone, or {baseline} never reaches the loss.",
         "",
         *markdown_table(header, rows),
+    ]
+
+
+def downstream_section(summaries: list[VariantSummary]) -> list[str]:
+    """A table of each variant's mean accuracy per downstream task at the last validation (nothing if none logged)."""
+    tasks = sorted({task for s in summaries for task in s.downstream})
+    if not tasks:
+        return []
+    rows = [[s.variant, *(pm(*s.downstream.get(task, (None, None)), digits=3) for task in tasks)] for s in summaries]
+    return [
+        "",
+        "## Downstream accuracy",
+        "",
+        "Accuracy per task at each run's last validation (`downstream/<task>/acc`, length-normalised log-likelihood"
+        " of the choices), mean `±` standard deviation over seeds.",
+        "",
+        *markdown_table(["variant", *tasks], rows),
     ]
 
 

@@ -20,10 +20,12 @@ from mhar_lightning.probe import DepthMaps
 from mhar_lightning.run_environment import ENVIRONMENT_FILE
 from mhar_lightning.study.grid import RESULT_FILE
 
-VAL_LOSS, TRAIN_LOSS = "val/loss", "train/loss"
+VAL_LOSS, VAL_BPB, TRAIN_LOSS = "val/loss", "val/bpb", "train/loss"
+DOWNSTREAM, ACCURACY = "downstream/", "/acc"
+"""Downstream task accuracies are logged as `downstream/<task>/acc` (`callbacks.DownstreamTasks`)."""
 DEVICE_TOKENS_PER_SEC, TOKENS_PER_SEC = "train/device/items_per_sec", "train/items_per_sec"
 PEAK_MEMORY = "memory/peak_allocated_gib"
-TAGS = (VAL_LOSS, TRAIN_LOSS, DEVICE_TOKENS_PER_SEC, TOKENS_PER_SEC, PEAK_MEMORY)
+TAGS = (VAL_LOSS, VAL_BPB, TRAIN_LOSS, DEVICE_TOKENS_PER_SEC, TOKENS_PER_SEC, PEAK_MEMORY)
 DEPTH_MAPS = "depth_attention.npz"
 MODEL_ARGS = set(inspect.signature(LanguageModel).parameters) - {"init_from"}
 """Hyperparameters that shape the model (the run's weights are not needed to count its parameters)."""
@@ -31,7 +33,8 @@ MODEL_ARGS = set(inspect.signature(LanguageModel).parameters) - {"init_from"}
 
 @dataclass
 class RunResult:
-    """One run: final validation loss, loss curves (step, loss), speed, memory and size."""
+    """One run: final validation loss (and bits per byte, downstream accuracies), loss curves (step, loss), speed,
+    memory and size."""
 
     variant: str
     seed: int
@@ -52,6 +55,10 @@ class RunResult:
     """Runs trained at the same time on its machine (`mhar compare --jobs`): above 1 its tokens/s are not its own."""
     environment: dict[str, Any] = field(default_factory=dict)
     """The device, world size and versions the run trained with (its `environment.json`; empty if not recorded)."""
+    val_bpb: float | None = None
+    """Bits per byte of the last validation (None for runs that did not log it)."""
+    downstream: dict[str, float] = field(default_factory=dict)
+    """Task -> accuracy at the last validation."""
 
     @property
     def tokens(self) -> int:
@@ -83,7 +90,8 @@ def has_logs(run_dir: Path) -> bool:
 
 
 def read_scalars(root: Path) -> dict[str, dict[int, float]]:
-    """tag -> {optimizer steps done: value} of the study's tags over every version (a later one overrides).
+    """tag -> {optimizer steps done: value} of the study's tags and any downstream accuracies, over every version
+    (a later one overrides).
 
     Lightning logs a value at the count of steps done before the batch it belongs to, so a validation after
     step 6 is logged at 5: here it is put back at 6, the step its checkpoint has and its tokens are counted at.
@@ -92,8 +100,9 @@ def read_scalars(root: Path) -> dict[str, dict[int, float]]:
     for version in versions(root):
         events = EventAccumulator(str(version), size_guidance={"scalars": 0})
         events.Reload()
-        for tag in set(TAGS) & set(events.Tags()["scalars"]):
-            scalars[tag].update({event.step + 1: event.value for event in events.Scalars(tag)})
+        for tag in events.Tags()["scalars"]:
+            if tag in TAGS or (tag.startswith(DOWNSTREAM) and tag.endswith(ACCURACY)):
+                scalars.setdefault(tag, {}).update({event.step + 1: event.value for event in events.Scalars(tag)})
     return scalars
 
 
@@ -166,6 +175,12 @@ def read_run(run_dir: Path, variant: str, seed: int, definition: str, shared: in
         hparams={"residual": hparams["residual"], "preset": hparams.get("preset"), "routing_heads": heads},
         shared=shared,
         environment=json.loads(environment.read_text()) if environment.is_file() else {},
+        val_bpb=scalars[VAL_BPB].get(val_step),
+        downstream={
+            tag.removeprefix(DOWNSTREAM).removesuffix(ACCURACY): values[val_step]
+            for tag, values in scalars.items()
+            if tag.startswith(DOWNSTREAM) and val_step in values
+        },
     )
 
 

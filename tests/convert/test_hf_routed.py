@@ -1,5 +1,5 @@
-"""Hugging Face export of every strategy: routed models load with trust_remote_code and match the kit's logits and
-greedy tokens; `sum` stays a LlamaForCausalLM; the tokenizer travels with the export."""
+"""Hugging Face export of every strategy and model shape: routed models load with trust_remote_code and match the
+kit's logits and greedy tokens; `sum` stays a LlamaForCausalLM; the tokenizer travels with the export."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import os
 import lightning
 import pytest
 import torch
-from eval_helpers import CONFIG, STRATEGIES, random_decoder, trained_checkpoint
+from eval_helpers import CONFIG, CONVERTED_SHAPE, STRATEGIES, random_decoder, trained_checkpoint
 from safetensors import safe_open
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -28,9 +28,11 @@ def load_export(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
 
 
+@pytest.mark.parametrize("shape", ["default", "converted"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_export_matches_logits_and_greedy_tokens(strategy, tmp_path):
-    model = random_decoder(strategy)
+def test_export_matches_logits_and_greedy_tokens(strategy, shape, tmp_path):
+    """Every strategy, in the default shape and with every field Hugging Face conversion accepts."""
+    model = random_decoder(strategy, config=CONFIG if shape == "default" else CONVERTED_SHAPE)
     out = export_hf(model, tmp_path / f"export-{strategy}", tokenizer=ByteTokenizer())
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == ("llama" if strategy == "sum" else "mhar")
@@ -71,8 +73,9 @@ def test_tokenizer_travels_with_the_export(name, tmp_path):
     assert theirs.eos_token_id == ours.eot_id == json.loads((out / "config.json").read_text())["eos_token_id"]
 
 
-def test_cli_exports_a_trained_checkpoint(tmp_path):
-    checkpoint, _ = trained_checkpoint(tmp_path / "run", "delta-mhar")
+@pytest.mark.parametrize("residual", ["delta-mhar", "hyper-connections"])
+def test_cli_exports_a_trained_checkpoint(residual, tmp_path):
+    checkpoint, _ = trained_checkpoint(tmp_path / "run", residual)
     with pytest.raises(SystemExit) as done:
         mhar(["export-hf", str(checkpoint), str(tmp_path / "hf")])
     assert done.value.code == 0

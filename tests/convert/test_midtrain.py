@@ -198,3 +198,42 @@ def test_sum_midtraining_exports_back_to_transformers(converted, tmp_path):
         assert (exported(batch).logits - hf.eval()(batch).logits).abs().max() > 1e-3  # it did train
     assert (back / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
     assert exported.config.eos_token_id == hf.config.eos_token_id
+
+
+def test_every_converted_shape_midtrains_and_exports_back_with_its_tokenizer(tmp_path):
+    """A random Llama with biases, a separate head size and Llama 3.1 RoPE scaling, converted to delta-MHAR,
+    trained two steps and exported, loads in `transformers` (its own code) with the kit's logits and greedy tokens,
+    and the original tokenizer."""
+    source, conv, data, run, back = (tmp_path / name for name in ("hf", "conv", "data", "run", "back"))
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    trained_llama(source, steps=0, attention_bias=True, mlp_bias=True, head_dim=24, rope_parameters=rope)
+    assert mhar("convert-hf", source, conv, *DELTA) == 0
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    assert mhar("prepare", corpus, data, "--tokenizer", source, "--val-fraction", "0.1", "--no-progress") == 0
+    assert mhar("fit", *fit_args(run, conv, data, max_steps=2), "--model.optimizer.lr", "1e-2") == 0
+    assert mhar("export-hf", run / "checkpoints" / "last.ckpt", back) == 0
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(back, trust_remote_code=True).eval()
+    ours = load_decoder(conv)
+    trained = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    ours.load_state_dict({name.removeprefix("decoder."): t for name, t in trained.items()})
+    assert ours.config.rope_scaling is not None and ours.config.head_dim == 24 and ours.config.mlp_bias
+    batch = first_batch(conv, data)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(batch).logits, ours.eval()(batch), rtol=1e-5, atol=1e-5)
+    gates = [t for name, t in trained.items() if name.endswith("residual.gate")]
+    assert max(float(g.abs().max()) for g in gates) > 0  # the routing trained, so the export is not the source
+
+    text = "the quick brown fox"
+    original = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    loaded = transformers.AutoTokenizer.from_pretrained(back, trust_remote_code=True)
+    ids = loaded(text)["input_ids"]
+    assert ids == original(text)["input_ids"] and loaded.decode(ids) == text
+    prompt = torch.tensor([ids])
+    greedy = exported.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = prompt
+    for _ in range(6):
+        with torch.no_grad():
+            tokens = torch.cat([tokens, ours(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert greedy.tolist() == tokens.tolist()

@@ -10,8 +10,9 @@ from eval_helpers import random_decoder
 
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data.shards import TokenStream
+from mhar_lightning.data.token_bytes import token_bytes
 from mhar_lightning.data.tokenizer import ByteTokenizer, load_tokenizer
-from mhar_lightning.eval.evaluate import evaluate_tokens, token_bytes
+from mhar_lightning.eval.evaluate import evaluate_tokens
 from mhar_lightning.eval.loading import load_model
 
 

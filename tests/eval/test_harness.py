@@ -21,8 +21,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from mhar_lightning.cli import main as mhar  # noqa: E402
 from mhar_lightning.data.shards import TokenStream  # noqa: E402
+from mhar_lightning.data.token_bytes import token_bytes  # noqa: E402
 from mhar_lightning.eval import MharLM  # noqa: E402
-from mhar_lightning.eval.evaluate import evaluate_tokens, token_bytes  # noqa: E402
+from mhar_lightning.eval.evaluate import evaluate_tokens  # noqa: E402
 from mhar_lightning.eval.generate import generate  # noqa: E402
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"

@@ -8,6 +8,9 @@ connection, `config.residual`:
   sublayer outputs, or with `blocks` the finished block sums and the current block's partial sum), with a learned
   query and key-RMSNorm gain per site; the final norm reads one more such route (AttnRes is one head).
 - `delta-mhar`: sublayer l reads p_l + gate_l * route_l([null, embedding, finished block deltas]), p_{l+1} = p_l + y_l.
+- `hyper-connections`: `rate` streams H_j; sublayer l reads x_l = sum_j A_m[j] H_j and writes
+  H'_k = B[k] y_l + sum_j A_r[j, k] H_j (static weights plus, when `dynamic`, tanh terms of each normalised stream);
+  the final norm reads the mean of the streams.
 
 Routing mixes the streams of one token at a time, so cached decoding keeps attention keys and values only.
 Parameter names are those of mhar-lightning's `Decoder`, so its state dict loads as it is.
@@ -26,6 +29,20 @@ from .configuration_mhar import MharConfig
 
 KEY_NORM_EPS = 1e-6
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def unit_rms(x: Tensor, eps: float) -> Tensor:
+    """x / RMS(x) over the last dimension, statistics in at least fp32, in x's dtype."""
+    stats = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (stats * torch.rsqrt(stats.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def weighted_sum(weights: Tensor, streams: list[Tensor]) -> Tensor:
+    """sum_j weights[..., j] * streams[j]."""
+    out = weights[..., 0, None] * streams[0]
+    for j in range(1, len(streams)):
+        out = out + weights[..., j, None] * streams[j]
+    return out
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -74,11 +91,12 @@ class Attention(nn.Module):
             config.num_key_value_heads,
             config.head_dim,
         )
-        d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-        self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, kv, bias=False)
-        self.v = nn.Linear(d, kv, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
+        d, bias = config.hidden_size, config.attention_bias
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        self.q = nn.Linear(d, q, bias=bias)
+        self.k = nn.Linear(d, kv, bias=bias)
+        self.v = nn.Linear(d, kv, bias=bias)
+        self.o = nn.Linear(q, d, bias=bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, cache) -> Tensor:
         b, t, _ = x.shape
@@ -96,9 +114,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: MharConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        d, ffn, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate = nn.Linear(d, ffn, bias=bias)
+        self.up = nn.Linear(d, ffn, bias=bias)
+        self.down = nn.Linear(ffn, d, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -110,6 +129,10 @@ class Router(nn.Module):
     def __init__(self, config: MharConfig, n_sites: int, final: bool) -> None:
         super().__init__()
         d = config.hidden_size
+        if config.residual == "hyper-connections":
+            if not final:  # the final read is the mean of the streams
+                self.add_hyper_parameters(config, n_sites)
+            return
         if config.residual == "delta-mhar" and final:
             self.null = nn.Parameter(torch.zeros(d))
             return
@@ -117,6 +140,16 @@ class Router(nn.Module):
         self.key_norm = nn.Parameter(torch.ones(n_sites, d))
         if config.residual == "delta-mhar":
             self.gate = nn.Parameter(torch.zeros(n_sites))
+
+    def add_hyper_parameters(self, config: MharConfig, n_sites: int) -> None:
+        """Static weights as offsets from the Pre-Norm residual; `dynamic_proj` columns: A_m, A_r row, B."""
+        n = config.residual_args.get("rate", 4)
+        self.read_offset = nn.Parameter(torch.zeros(n_sites, n))
+        self.mix_offset = nn.Parameter(torch.zeros(n_sites, n, n))
+        self.write_offset = nn.Parameter(torch.zeros(n_sites, n))
+        if config.residual_args.get("dynamic", True):
+            self.dynamic_proj = nn.Parameter(torch.zeros(n_sites, config.hidden_size, n + 2))
+            self.dynamic_scale = nn.Parameter(torch.full((n_sites, 2), 0.01))
 
 
 class RoutedStream:
@@ -165,7 +198,38 @@ class DeltaStream:
         return self.p
 
 
-STREAMS = {"mhar": RoutedStream, "attnres": RoutedStream, "delta-mhar": DeltaStream}
+class HyperStream:
+    """Hyper-connections: `rate` streams; a read computes its site's read, mix and write weights, used by its write."""
+
+    def __init__(self, config: MharConfig, embedding: Tensor, final: Router) -> None:
+        self.rate = config.residual_args.get("rate", 4)
+        self.dynamic = config.residual_args.get("dynamic", True)
+        self.eps = config.rms_norm_eps
+        self.streams = [embedding] * self.rate
+
+    def read(self, router: Router, l: int, site: int) -> Tensor:
+        eye = torch.eye(self.rate, device=router.read_offset.device, dtype=router.read_offset.dtype)
+        read = eye[l % self.rate] + router.read_offset[site]
+        mix, write = eye + router.mix_offset[site], 1 + router.write_offset[site]
+        if self.dynamic:
+            normed = torch.stack([unit_rms(h, self.eps) for h in self.streams], -2)
+            terms = torch.tanh(normed @ router.dynamic_proj[site].to(normed.dtype))
+            scale_a, scale_b = router.dynamic_scale[site, 0], router.dynamic_scale[site, 1]
+            read, mix = read + scale_a * terms[..., 0], mix + scale_a * terms[..., 1:-1]
+            write = write + scale_b * terms[..., -1]
+        self.mix, self.write_weights = mix, write
+        return weighted_sum(read, self.streams)
+
+    def write(self, l: int, y: Tensor) -> None:
+        mix, write = self.mix, self.write_weights
+        self.streams = [write[..., k, None] * y + weighted_sum(mix[..., k], self.streams) for k in range(self.rate)]
+
+    def finish(self) -> Tensor:
+        h = self.streams[0]
+        return weighted_sum(torch.full((self.rate,), 1 / self.rate, device=h.device, dtype=h.dtype), self.streams)
+
+
+STREAMS = {"mhar": RoutedStream, "attnres": RoutedStream, "delta-mhar": DeltaStream, "hyper-connections": HyperStream}
 
 
 class Block(nn.Module):
@@ -216,6 +280,12 @@ class MharForCausalLM(MharPreTrainedModel, GenerationMixin):
         """cos and sin [B, 1, T, head_dim] of `positions` [B, T] (half-split layout, as in Llama)."""
         half = self.config.head_dim // 2
         inv_freq = self.config.rope_base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+        scaling = self.config.rope_llama3
+        if scaling:  # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, linear in 1/wavelength between
+            periods = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)
+            low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+            keep = ((periods - low) / (high - low)).clamp(0, 1)
+            inv_freq = (1 - keep) * inv_freq / scaling["factor"] + keep * inv_freq
         angles = positions.float()[..., None] * inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]
         return angles.cos(), angles.sin()
