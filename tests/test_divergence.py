@@ -26,8 +26,8 @@ def nan_loss_at(monkeypatch, step: int) -> None:
     """Make the training loss NaN at optimizer step `step` (1-based): a bad batch."""
     loss = LanguageModel.loss
 
-    def loss_nan_at_step(self, batch):
-        value = loss(self, batch)
+    def loss_nan_at_step(self, batch, *args):
+        value = loss(self, batch, *args)
         return value * float("nan") if self.training and self.trainer.global_step + 1 == step else value
 
     monkeypatch.setattr(LanguageModel, "loss", loss_nan_at_step)

@@ -41,8 +41,8 @@ def fit_args(root: Path, *extra: str) -> list[str]:
          "trainer.max_steps=-1: set --trainer.max_steps N (N >= 1); the learning-rate schedule is defined over"
          " optimizer steps"),
         (["--model.optimizer.lr", "-0.1"],
-         "optimizer.lr=-0.1 is out of range: lr and eps > 0, betas in [0, 1), weight_decay, routing_lr_mult and"
-         " warmup_steps >= 0, min_lr_ratio in [0, 1], decay_fraction in (0, 1]"),
+         "optimizer.lr=-0.1 is out of range: lr, muon_lr and eps > 0, betas and muon_momentum in [0, 1), weight_decay,"
+         " muon_weight_decay, routing_lr_mult and warmup_steps >= 0, min_lr_ratio in [0, 1], decay_fraction in (0, 1]"),
     ],
 )  # fmt: skip
 def test_a_bad_setting_is_one_line_before_anything_is_written(tmp_path: Path, capsys, extra, line) -> None:

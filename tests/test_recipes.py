@@ -9,8 +9,8 @@ import torch
 import yaml
 from cli_helpers import REPO, stand_in_converted
 from lightning.pytorch.callbacks import LearningRateMonitor
-
 from mhar_lightning.callbacks import FinalStepCheckpoint
+
 from mhar_lightning.data import datamodule
 from mhar_lightning.recipes import recipe_chain
 from mhar_lightning.residual import MHAR, AttnRes, HyperConnections, Residual, SumResidual
@@ -42,7 +42,7 @@ def tokenizers_read_once():
         yield
 
 
-CAPTURE_OFF = {"100m-hc.yaml", "350m-hc.yaml", "6m.yaml"}
+CAPTURE_OFF = {"100m-hc.yaml", "350m-hc.yaml", "6m.yaml", "30m.yaml", "100m.yaml"}
 """GPU recipes outside FSDP that leave compiled autograd off: hyper-connections' captured backward compiled too slowly
 on the card, and the study trains every method, hyper-connections too, with the same options."""
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import corpus_cache, fast_demo_args, final_weights, scalars
+from mhar_lightning.callbacks.plots import caption
 from torch import nn
 
-from mhar_lightning.callbacks.plots import caption
 from mhar_lightning.cli import main
 from mhar_lightning.commands.inspect import main as inspect
 from mhar_lightning.config import ModelConfig

@@ -11,6 +11,7 @@ from cli_helpers import DEMO, fast_demo_args
 from residual_helpers import install_plugin
 
 import mhar_lightning.residual.trust as trust
+from mhar_lightning.checkpoint.digest import DIGEST_KEY, with_digest
 from mhar_lightning.cli import main
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
@@ -61,10 +62,12 @@ def mhar(args: list[object], capsys) -> tuple[int, str]:
 
 
 def naming(checkpoint: Path, class_path: str, out: Path) -> Path:
-    """A copy of `checkpoint` whose recorded residual is `class_path` (the weights are a `sum` model's or not)."""
+    """A copy of `checkpoint` whose recorded residual is `class_path` (the weights are a `sum` model's or not), with a
+    digest that matches: a crafted file, not a damaged one."""
     raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    raw.pop(DIGEST_KEY)
     raw["hyper_parameters"]["residual"] = {"class_path": class_path, "init_args": {}}
-    torch.save(raw, out)
+    torch.save(with_digest(raw), out)
     return out
 
 
