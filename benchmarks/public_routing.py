@@ -88,6 +88,8 @@ def load_public() -> dict[str, Callable | str]:
             found[name] = BINDERS[name](importlib.import_module(module))
         except ImportError as e:
             found[name] = f"{name}: not installed ({e}); {install}"
+        except Exception as e:  # an installed package that does not import here (another torch or Triton)
+            found[name] = f"{name}: {module} does not import ({type(e).__name__}: {e}); {install}"
     return found
 
 

@@ -71,6 +71,19 @@ def test_liger_kernel_agrees_with_the_kit_in_the_interpreter(inputs) -> None:
     assert max(entry["diff"].values()) < 1e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["fla", "liger"])
+@pytest.mark.parametrize("d, S", [(192, 2), (1024, 9), (4096, 33)])
+def test_the_public_kernels_agree_with_the_kit_cuda(name: str, d: int, S: int) -> None:
+    module = pytest.importorskip(public_routing.PUBLIC[name][0])
+    torch.manual_seed(d + S)
+    sources, query, gain = public_routing.make(256, d, S, mixed=False)
+    go = torch.randn(256, d, device="cuda", dtype=torch.bfloat16)
+    want = public_routing.outputs(public_routing.bind_kit(1)(sources, query, gain), go)
+    entry, _ = public_routing.check(public_routing.BINDERS[name](module), sources, query, gain, go, want)
+    assert entry["status"] == "ok", entry
+
+
 def test_a_missing_package_says_how_to_install_it(monkeypatch) -> None:
     monkeypatch.setitem(public_routing.PUBLIC, "fla", ("no_such_module.attnres", "fla-core", "pip install fla-core"))
     assert public_routing.load_public()["fla"].endswith("; pip install fla-core")
@@ -102,12 +115,14 @@ def test_the_table_gives_each_time_its_floor_fraction_and_the_kit_against_the_fa
     text = public_routing.table(META, rows)
     assert "One Card; torch 2.11, fla-core 0.6.0; copy bandwidth 2.000 TB/s" in text
     # floor 2e8 B / 2e12 B/s = 0.1 ms: the kit at 0.2 ms is 0.50 of it, 1.60x fla's 0.125 ms, its H = 8 1.10x its H = 1
-    assert "| 1024 | 16,384 | 5 | 0.100 | 0.200 (0.50) | 0.125 (0.80) | 0.150 (0.67) | 1.60 | 0.220 (0.45) | 1.10 |" in text
-    assert "| 1024 | 16,384 | 5 | 0.300 | 0.600 (0.50) | 0.375 (0.80) | 0.450 (0.67) | 1.60 | 0.660 (0.45) | 1.10 |" in text
-    assert "| 1024 | 16,384 | 9 | 0.100 | 0.400 (0.25) | refused | - | - | 0.400 (0.25) | 1.00 |" in text
-    assert "- fla at d 1024, S 9: refused, differences out 5.0e-01 (tolerance 0.02)" in text
+    forward, both = text.split("Forward + backward")
+    assert "| 5 | 0.100 | 0.200 (0.50) | 0.125 (0.80) | 0.150 (0.67) | 1.60 | 0.220 (0.45) | 1.10 |" in forward
+    assert "| 5 | 0.300 | 0.600 (0.50) | 0.375 (0.80) | 0.450 (0.67) | 1.60 | 0.660 (0.45) | 1.10 |" in both
+    assert "| 1024 | 16,384 | 9 | 0.100 | 0.400 (0.25) | refused | - | - | 0.400 (0.25) | 1.00 |" in forward
+    assert "- fla at d 1024, S 9: refused, differences out 5.0e-01 (tolerance 0.02)" in both
     assert text.count("- liger: not installed; pip install x") == 1
-    assert "| d | tokens | S | floor ms | kit H = 1 | fla | liger | kit / fastest public | kit H = 8 | H = 8 / H = 1 |" in text
+    header = "| S | floor ms | kit H = 1 | fla | liger | kit / fastest public | kit H = 8 | H = 8 / H = 1 |"
+    assert forward.count(header) == both.count(header) == 1
 
 
 def test_rows_are_kept_only_from_the_same_card_versions_and_heads(tmp_path: Path) -> None:
