@@ -132,7 +132,8 @@ def check(binder: Callable | str, sources: list[Tensor], query: Tensor, gain: Te
         bound = binder(sources, query, gain)
         diff = differences(outputs(bound, go), want)
     except Exception as e:  # an optional kernel that cannot run this shape is a result, not the end of the run
-        return {"status": "failed", "note": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}, None
+        first = (str(e).strip().splitlines() or [""])[0]
+        return {"status": "failed", "note": f"{type(e).__name__}: {first[:200]}"}, None
     if max(diff.values()) > TOLERANCE:
         return {"status": "refused", "diff": diff}, None
     return {"status": "ok", "diff": diff}, bound
