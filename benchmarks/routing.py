@@ -33,23 +33,26 @@ def copy_bandwidth(nbytes: int = 2**31) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def make(tokens: int, d: int, S: int, mixed: bool):
+def make(tokens: int, d: int, S: int, mixed: bool, device: str = "cuda"):
     """Random sources: all bf16, or (mixed) an fp32 embedding first, as under bf16 autocast."""
     dtypes = [torch.float32 if mixed and n == 0 else torch.bfloat16 for n in range(S)]
-    sources = [torch.randn(tokens, d, device="cuda").to(dt).requires_grad_() for dt in dtypes]
-    query = (0.1 * torch.randn(d, device="cuda")).requires_grad_()
-    gain = (1 + 0.1 * torch.randn(d, device="cuda")).requires_grad_()
+    sources = [torch.randn(tokens, d, device=device).to(dt).requires_grad_() for dt in dtypes]
+    query = (0.1 * torch.randn(d, device=device)).requires_grad_()
+    gain = (1 + 0.1 * torch.randn(d, device=device)).requires_grad_()
     return sources, query, gain
+
+
+def floor_bytes(sources) -> tuple[int, int]:
+    """Bytes a route over `sources` must move (the module's floor): forward, and backward."""
+    src_bytes = sum(v.numel() * v.element_size() for v in sources)
+    out_bytes = sources[0].numel() * torch.finfo(route_launch.out_dtype(sources)).bits // 8
+    return src_bytes + out_bytes, out_bytes + 2 * src_bytes
 
 
 def bench(tokens: int, d: int, S: int, heads: int, mixed: bool, bw: float, compiled_ref) -> dict:
     sources, query, gain = make(tokens, d, S, mixed)
-    out_dt = route_launch.out_dtype(sources)
-    src_bytes = sum(v.numel() * v.element_size() for v in sources)
-    out_bytes = tokens * d * torch.finfo(out_dt).bits // 8
-    fwd_bytes = src_bytes + out_bytes
-    bwd_bytes = out_bytes + 2 * src_bytes
-    go = torch.randn(tokens, d, device="cuda", dtype=out_dt)
+    fwd_bytes, bwd_bytes = floor_bytes(sources)
+    go = torch.randn(tokens, d, device="cuda", dtype=route_launch.out_dtype(sources))
     u = (query * gain).detach()[None]
     leaves = [*sources, query, gain]
 
