@@ -42,6 +42,7 @@ from mhar_lightning.residual import RESIDUALS
 from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.run_folder import RunLock, check_fresh_run, last_checkpoint
+from mhar_lightning.terminal import HeldStartupLines
 from mhar_lightning.tools import TOOLS
 
 FLOAT32_MATMUL_PRECISION = "high"
@@ -97,22 +98,24 @@ class MharCLI(LightningCLI):
         self.run_lock: RunLock | None = None  # `fit` takes it before touching its checkpoint folder
         if torch.cuda.is_available():
             torch.set_float32_matmul_precision(FLOAT32_MATMUL_PRECISION)
+        self.startup_lines = HeldStartupLines()
         try:
-            super().__init__(
-                LanguageModel,
-                TokenDataModule,
-                trainer_defaults={
-                    "use_distributed_sampler": False,
-                    "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
-                },
-                seed_everything_default=0,
-                parser_class=MharArgumentParser,
-                save_config_callback=SaveRunConfig,
-                save_config_kwargs={"overwrite": True},
-                auto_configure_optimizers=False,
-                args=args,
-                run=run,
-            )
+            with self.startup_lines:
+                super().__init__(
+                    LanguageModel,
+                    TokenDataModule,
+                    trainer_defaults={
+                        "use_distributed_sampler": False,
+                        "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+                    },
+                    seed_everything_default=0,
+                    parser_class=MharArgumentParser,
+                    save_config_callback=SaveRunConfig,
+                    save_config_kwargs={"overwrite": True},
+                    auto_configure_optimizers=False,
+                    args=args,
+                    run=run,
+                )
         finally:  # however the run ends: done, refused, failed or stopped by SIGTERM
             if self.run_lock is not None:
                 self.run_lock.release()
@@ -176,6 +179,7 @@ class MharCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Run it; a run stopped by SIGTERM says, in the exception `mhar` prints, which checkpoint holds its step."""
+        self.startup_lines.end()  # set up without a refusal: the run starts
         try:
             super()._run_subcommand(subcommand)
         except SIGTERMException as stop:

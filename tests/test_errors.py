@@ -2,6 +2,8 @@
 
 import base64
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,3 +224,16 @@ def test_a_tool_error_is_one_line_with_exit_code_2(tmp_path: Path, capsys, args:
     code, out, err = run([arg.format(tmp=tmp_path) for arg in args], capsys)
     assert code == 2
     assert last_line(err or out).startswith(line.format(tmp=tmp_path))
+
+
+@pytest.mark.parametrize(
+    "extra", [["--data.num_workers", "-1"], ["--trainer.accumulate_grad_batches", "0"]], ids=["data", "trainer"]
+)
+def test_a_run_refused_while_it_is_set_up_prints_its_error_alone(tmp_path: Path, extra: list[str]) -> None:
+    """Lightning's start-up lines (seed, devices) wait for the run to start: a refused run's stderr is one line."""
+    command = [sys.executable, "-m", "mhar_lightning.cli", *fast_demo_args(tmp_path, max_steps=2), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"mhar: error: {extra[0].removeprefix('--')}=")
+    assert not (tmp_path / "checkpoints").exists()
