@@ -11,6 +11,7 @@ from cli_helpers import DEMO, fast_demo_args
 from residual_helpers import install_plugin
 
 import mhar_lightning.residual.trust as trust
+from mhar_lightning.checkpoint.digest import DIGEST_KEY, content_digest
 from mhar_lightning.cli import main
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
@@ -64,6 +65,7 @@ def naming(checkpoint: Path, class_path: str, out: Path) -> Path:
     """A copy of `checkpoint` whose recorded residual is `class_path` (the weights are a `sum` model's or not)."""
     raw = torch.load(checkpoint, map_location="cpu", weights_only=True)
     raw["hyper_parameters"]["residual"] = {"class_path": class_path, "init_args": {}}
+    raw[DIGEST_KEY] = content_digest(raw)  # intact, so the residual is what refuses it
     torch.save(raw, out)
     return out
 
