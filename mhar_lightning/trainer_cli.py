@@ -418,48 +418,49 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
 def check_class_paths(args: list[str]) -> None:
     """Refuse a class that cannot be imported, or a strategy's name given as its class, named by a
     `--<key>.class_path` flag or by a `class_path` in a flag's JSON or YAML value (jsonargparse crashes on both)."""
+    for given, path in flag_class_paths(args):
+        module, _, name = path.rpartition(".")
+        # A short name elsewhere may be one of Lightning's (`EarlyStopping`), which jsonargparse resolves.
+        if not module and (path in RESIDUALS or given.startswith("--model.residual")):
+            raise ConfigError(f"{given}: {undotted_class_path_fix(path)}")
+        if module and not importable(module, name):
+            raise ConfigError(
+                f"{given}: no class {name} in an importable module {module}; check the spelling, and run from the"
+                f" folder that holds {module.partition('.')[0]} or add that folder to PYTHONPATH"
+            )
+
+
+def flag_values(args: list[str]) -> Iterator[tuple[str, str]]:
+    """(flag, the value after it or after its `=`) for each argument."""
     for flag, value in zip(args, [*args[1:], ""]):
         flag, eq, inline = flag.partition("=")
-        value = inline if eq else value
+        yield flag, inline if eq else value
+
+
+def flag_class_paths(args: list[str]) -> Iterator[tuple[str, str]]:
+    """(how it was given, class path) for each class that a `--<key>.class_path` flag or a flag's JSON or YAML value
+    names."""
+    for flag, value in flag_values(args):
         if flag.endswith(".class_path"):
-            named = [(f"{flag} {value}", value)]
+            yield f"{flag} {value}", value
         elif flag.startswith("--") and value.lstrip().startswith(("{", "[")):
             try:
-                named = [(f"{flag} class_path {path}", path) for path in class_paths(yaml.safe_load(value))]
+                paths = list(class_paths(yaml.safe_load(value)))
             except yaml.YAMLError:
                 continue  # not valid JSON or YAML: jsonargparse reports the flag
-        else:
-            continue
-        for given, path in named:
-            module, _, name = path.rpartition(".")
-            # A short name elsewhere may be one of Lightning's (`EarlyStopping`), which jsonargparse resolves.
-            if not module and (path in RESIDUALS or given.startswith("--model.residual")):
-                raise ConfigError(f"{given}: {undotted_class_path_fix(path)}")
-            if module and not importable(module, name):
-                raise ConfigError(
-                    f"{given}: no class {name} in an importable module {module}; check the spelling, and run from the"
-                    f" folder that holds {module.partition('.')[0]} or add that folder to PYTHONPATH"
-                )
+            yield from ((f"{flag} class_path {path}", path) for path in paths)
 
 
-def user_class_paths(args: list[str]) -> Iterator[str]:
-    """The dotted class paths the user names: in `--<key>.class_path` and `--model.residual` flags, in a flag's JSON
-    or YAML value, and in the `--config` files."""
-    for flag, value in zip(args, [*args[1:], ""]):
-        flag, eq, inline = flag.partition("=")
-        value = inline if eq else value
-        if flag.endswith(".class_path") or flag == "--model.residual":
-            named = [value]
+def user_class_paths(args: list[str]) -> list[str]:
+    """The dotted class paths the user names: in flags (`flag_class_paths`, `--model.residual package.Class`) and
+    in the `--config` files."""
+    named = [path for _, path in flag_class_paths(args)]
+    for flag, value in flag_values(args):
+        if flag == "--model.residual" and not value.lstrip().startswith(("{", "[")):
+            named.append(value)
         elif flag in ("-c", "--config") and Path(value).is_file():
-            named = class_paths(yaml.safe_load(Path(value).read_text()))
-        elif flag.startswith("--") and value.lstrip().startswith(("{", "[")):
-            try:
-                named = list(class_paths(yaml.safe_load(value)))
-            except yaml.YAMLError:
-                continue  # not valid JSON or YAML: jsonargparse reports the flag
-        else:
-            continue
-        yield from (path for path in named if "." in path)
+            named += class_paths(yaml.safe_load(Path(value).read_text()))
+    return [path for path in named if "." in path]
 
 
 def undotted_class_path_fix(path: str) -> str:

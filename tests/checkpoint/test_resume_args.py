@@ -19,8 +19,8 @@ def trained(tmp_path_factory, demo_run: Path) -> Path:
 
 
 RESUMED = (
-    ": a resumed run keeps its model and optimizer, so drop the flag (another model or optimizer is a new run, e.g. from"
-    " converted weights with --model.init_from)"
+    ": a resumed run keeps its model and optimizer, so drop the flag (another model or optimizer is a new run, e.g."
+    " from converted weights with --model.init_from)"
 )
 OTHER_MODEL = (
     ": resume it with the config it was trained with (config.yaml in its run folder), or start a new run from its"
