@@ -62,14 +62,34 @@ def user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     sys.modules.pop("rezero", None)
 
 
-def test_a_strategy_in_the_current_folder_trains_when_named(user_folder: Path, capsys) -> None:
+def forget_rezero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new `mhar` process: nothing named by the user, `rezero` not imported."""
+    monkeypatch.setattr(user_modules, "USER_MODULES", set())
+    monkeypatch.setattr(trust, "NAMED_BY_USER", set())
+    sys.modules.pop("rezero", None)
+
+
+@pytest.mark.parametrize("where", ["flag", "recipe"])
+def test_a_strategy_in_the_current_folder_trains_and_generates_when_named(
+    user_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys, where: str
+) -> None:
     assert importlib.util.find_spec("rezero") is None  # what failed before: the folder is not on the path
-    args = [*fast_demo_args(user_folder / "run", 1), *NO_PROBES, "--model.residual.class_path", "rezero.ReZero"]
-    code, _, err = run(args, capsys)
+    (user_folder / "mine.yaml").write_text("model:\n  residual:\n    class_path: rezero.ReZero\n")
+    named = ["--model.residual.class_path", "rezero.ReZero"] if where == "flag" else ["--config", "mine.yaml"]
+    code, _, err = run([*fast_demo_args(user_folder / "run", 1), *NO_PROBES, *named], capsys)
     assert code == 0, err
-    saved = torch.load(user_folder / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = user_folder / "run" / "checkpoints" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert saved["hyper_parameters"]["residual"]["class_path"] == "rezero.ReZero"
     assert "decoder.final_residual.alpha" in saved["state_dict"]  # ReZero's own parameter was trained
+
+    forget_rezero(monkeypatch)
+    args = ["generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "2", "--device", "cpu"]
+    code, _, err = run(args, capsys)
+    assert code != 0 and "names residual class 'rezero.ReZero'" in err  # the checkpoint alone imports nothing
+    assert "rezero" not in sys.modules
+    code, _, err = run([*args, "--residual", "rezero.ReZero"], capsys)
+    assert code == 0, err
 
 
 def test_a_strategy_in_another_folder_names_pythonpath(user_folder: Path, capsys) -> None:
