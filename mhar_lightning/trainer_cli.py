@@ -37,7 +37,7 @@ from mhar_lightning.data.shards import INDEX_FILE
 from mhar_lightning.errors import ConfigError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
-from mhar_lightning.recipes import recipe_chain
+from mhar_lightning.recipes import read_recipe, recipe_chain
 from mhar_lightning.residual import RESIDUALS
 from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
@@ -459,7 +459,7 @@ def user_class_paths(args: list[str]) -> list[str]:
         if flag == "--model.residual" and not value.lstrip().startswith(("{", "[")):
             named.append(value)
         elif flag in ("-c", "--config") and Path(value).is_file():
-            named += class_paths(yaml.safe_load(Path(value).read_text()))
+            named += class_paths(yaml.safe_load(read_recipe(Path(value))))
     return [path for path in named if "." in path]
 
 
