@@ -63,10 +63,10 @@ def check_same_model(
     if None not in tokenizers and tokenizers[0] != tokenizers[1]:
         parts.append(f"vocabulary {tokenizers[0]} vs {tokenizers[1]}")
     fix = (
-        "resume it with the config it was trained with (config.yaml in its run folder), or start a new run from its"
-        " weights (--model.init_from with a converted directory)"
+        "resume it with the settings it was trained with (the config.yaml under its run folder records them), or drop"
+        " --ckpt_path to train the config's model from the start"
         if training
-        else "validate it with the config it was trained with (config.yaml in its run folder)"
+        else "validate it with the settings it was trained with (the config.yaml under its run folder records them)"
     )
     raise CheckpointError(
         f"checkpoint {path} is a different model from the config's ({'; '.join(parts)}; the config's first): {fix}"

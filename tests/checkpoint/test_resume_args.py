@@ -23,8 +23,8 @@ RESUMED = (
     " from converted weights with --model.init_from)"
 )
 OTHER_MODEL = (
-    ": resume it with the config it was trained with (config.yaml in its run folder), or start a new run from its"
-    " weights (--model.init_from with a converted directory)"
+    ": resume it with the settings it was trained with (the config.yaml under its run folder records them), or drop"
+    " --ckpt_path to train the config's model from the start"
 )
 
 
@@ -107,7 +107,7 @@ def test_validate_with_a_contradicting_model_flag_names_the_training_value(train
     code, _, err = run([*args, "--trainer.limit_val_batches", "1"], capsys)
     assert code == 2
     expected = (
-        "(residual SumResidual() vs MHAR(heads=4, blocks=None); the config's first): validate it with the config it"
-        " was trained with (config.yaml in its run folder)"
+        "(residual SumResidual() vs MHAR(heads=4, blocks=None); the config's first): validate it with the settings it"
+        " was trained with (the config.yaml under its run folder records them)"
     )
     assert err.strip().splitlines()[-1].endswith(expected)
