@@ -1,22 +1,25 @@
 """Matplotlib (Agg, no pyplot state) renderings of depth-attention maps and per-site bar charts.
 
 Heatmaps put routing sites top to bottom (sublayer 0 first, `final` last) and sources left to right (oldest
-first), share one fixed colour scale (0..1, square-root stretched so small weights stay visible) and leave
-the cells of sources a site cannot see blank (hatched grey).
+first), share one fixed colour scale for softmax weights (0..1, square-root stretched so small weights stay visible)
+and a diverging one centred at 0 for learned weights of any sign, and leave the cells of sources a site cannot see
+blank (hatched grey).
 """
 
 import math
 import textwrap
 
+import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import PowerNorm
+from matplotlib.colors import Normalize, PowerNorm
 from matplotlib.figure import Figure
 
 from mhar_lightning.probe import DepthMaps
 
 CMAP = "viridis"
 NORM = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+SIGNED_CMAP = "RdBu_r"  # white at 0, red for positive and blue for negative weights
 SITE_AXIS = "routing site (input of sublayer)"
 SOURCE_AXIS = "source (output it reads from)"
 ROW_SUMS = "each row sums to 1"
@@ -34,6 +37,23 @@ def caption(maps: DepthMaps, width_in: float) -> str:
     notes = [note for label, note in SOURCE_NOTES.items() if label in maps.source_labels]
     first = f"{ROW_SUMS} · {BLANK}" if maps.distributions else BLANK
     return "\n".join(textwrap.fill(line, int(width_in * 11)) for line in (first, *notes))
+
+
+def colour_scale(maps: DepthMaps) -> tuple[str, Normalize]:
+    """(colour map, norm) of every panel of `maps`: softmax weights on the fixed 0..1 scale; learned weights (any
+    sign) on a diverging map centred at 0, symmetric to the largest |weight| and at least -1..1, so a negative weight
+    never takes the colour of zero."""
+    finite = maps.weights[np.isfinite(maps.weights)]
+    if maps.distributions and not (finite < 0).any():
+        return CMAP, NORM
+    limit = max(1.0, float(np.abs(finite).max(initial=0.0)))
+    return SIGNED_CMAP, Normalize(vmin=-limit, vmax=limit)
+
+
+def text_colour(cmap: str, norm: Normalize, value: float) -> str:
+    """Black on a light cell, white on a dark one."""
+    r, g, b, _ = matplotlib.colormaps[cmap](norm(value))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
 def to_image(fig: Figure) -> np.ndarray:
@@ -56,7 +76,8 @@ def draw_map(fig: Figure, ax, weights: np.ndarray, maps: DepthMaps, title: str, 
     ax.set_facecolor("#e6e6e6")
     ax.patch.set_hatch("//")
     ax.patch.set_edgecolor("#c8c8c8")
-    image = ax.imshow(masked, cmap=CMAP, norm=NORM, aspect="auto", interpolation="nearest", origin="upper")
+    cmap, norm = colour_scale(maps)
+    image = ax.imshow(masked, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest", origin="upper")
     fontsize = 10 if len(maps.source_labels) <= 16 else 7
     ax.set_xticks(
         range(len(maps.source_labels)),
@@ -73,7 +94,7 @@ def draw_map(fig: Figure, ax, weights: np.ndarray, maps: DepthMaps, title: str, 
     if weights.shape[1] <= 16 and weights.shape[0] <= 33:
         for (row, col), value in np.ndenumerate(weights):
             if not np.isnan(value):
-                colour = "black" if NORM(value) > 0.6 else "white"
+                colour = text_colour(cmap, norm, value)
                 ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
     if colorbar:
         fig.colorbar(image, ax=ax, label="depth-attention weight", fraction=0.06, pad=0.03)

@@ -29,7 +29,7 @@ from mhar_lightning.checkpoint.atomic_write import AtomicCheckpointIO, remove_st
 from mhar_lightning.checkpoint.finite import check_finite_optimizer
 from mhar_lightning.checkpoint.read_file import read_checkpoint
 from mhar_lightning.checkpoint.read_sharded import check_sharded_checkpoint, is_sharded_checkpoint
-from mhar_lightning.checkpoint.resume_args import runtime_overrides
+from mhar_lightning.checkpoint.resume_args import check_same_model, runtime_overrides
 from mhar_lightning.config import VOCAB_MULTIPLE, check_fields, padded_vocab
 from mhar_lightning.convert import check_data_tokenizer
 from mhar_lightning.data import ShardIndex, TokenDataModule
@@ -37,13 +37,14 @@ from mhar_lightning.data.shards import INDEX_FILE
 from mhar_lightning.errors import ConfigError
 from mhar_lightning.module import LanguageModel
 from mhar_lightning.preflight import check_output_dir, checkpoint_bytes
-from mhar_lightning.recipes import recipe_chain
+from mhar_lightning.recipes import read_recipe, recipe_chain
 from mhar_lightning.residual import RESIDUALS
 from mhar_lightning.residual.trust import allow_class_path, check_stored_residual
 from mhar_lightning.run_environment import SaveRunConfig
 from mhar_lightning.run_folder import RunLock, check_fresh_run, last_checkpoint
 from mhar_lightning.terminal import HeldStartupLines
 from mhar_lightning.tools import TOOLS
+from mhar_lightning.user_modules import allow_user_module
 
 FLOAT32_MATMUL_PRECISION = "high"
 """fp32 matmuls on GPUs may use TF32 (as LitGPT's and torchtitan's training scripts set): the recipes compute in bf16,
@@ -127,6 +128,8 @@ class MharCLI(LightningCLI):
             for flag in (arg.partition("=")[0] for arg in args):
                 if flag in ("--model.vocab_size", "--model.seq_len"):
                     raise ConfigError(linked_field_error(flag.removeprefix("--model.")))
+            for class_path in user_class_paths(with_recipe_bases(args)):
+                allow_user_module(class_path)
             check_class_paths(args)
             try:
                 self.config = parser.parse_args(with_recipe_bases(args))
@@ -169,6 +172,9 @@ class MharCLI(LightningCLI):
         hparams = checkpoint.get("hyper_parameters") or {}
         check_stored_residual(hparams.get("residual"), f"checkpoint {path}")
         given_model = given_model.as_dict() if given_model is not None else {}
+        trained_data = checkpoint.get("datamodule_hyper_parameters") or {}
+        tokenizers = (config.data.get("tokenizer"), trained_data.get("tokenizer"))
+        check_same_model(given_model, config.model.as_dict(), hparams, path, tokenizers, training=subcommand == "fit")
         keep = runtime_overrides(given_model, config.model.as_dict(), hparams, path, training=subcommand == "fit")
         arguments = inspect.signature(LanguageModel.__init__).parameters  # not what the run records beside them
         model = {name: value for name, value in hparams.items() if name in arguments and name != "self"}
@@ -416,25 +422,49 @@ def check_checkpoint_vocab(ckpt_path: str | None, checkpoint_dir: str, datamodul
 def check_class_paths(args: list[str]) -> None:
     """Refuse a class that cannot be imported, or a strategy's name given as its class, named by a
     `--<key>.class_path` flag or by a `class_path` in a flag's JSON or YAML value (jsonargparse crashes on both)."""
+    for given, path in flag_class_paths(args):
+        module, _, name = path.rpartition(".")
+        # A short name elsewhere may be one of Lightning's (`EarlyStopping`), which jsonargparse resolves.
+        if not module and (path in RESIDUALS or given.startswith("--model.residual")):
+            raise ConfigError(f"{given}: {undotted_class_path_fix(path)}")
+        if module and not importable(module, name):
+            raise ConfigError(
+                f"{given}: no class {name} in an importable module {module}; check the spelling, and run from the"
+                f" folder that holds {module.partition('.')[0]} or add that folder to PYTHONPATH"
+            )
+
+
+def flag_values(args: list[str]) -> Iterator[tuple[str, str]]:
+    """(flag, the value after it or after its `=`) for each argument."""
     for flag, value in zip(args, [*args[1:], ""]):
         flag, eq, inline = flag.partition("=")
-        value = inline if eq else value
+        yield flag, inline if eq else value
+
+
+def flag_class_paths(args: list[str]) -> Iterator[tuple[str, str]]:
+    """(how it was given, class path) for each class that a `--<key>.class_path` flag or a flag's JSON or YAML value
+    names."""
+    for flag, value in flag_values(args):
         if flag.endswith(".class_path"):
-            named = [(f"{flag} {value}", value)]
+            yield f"{flag} {value}", value
         elif flag.startswith("--") and value.lstrip().startswith(("{", "[")):
             try:
-                named = [(f"{flag} class_path {path}", path) for path in class_paths(yaml.safe_load(value))]
+                paths = list(class_paths(yaml.safe_load(value)))
             except yaml.YAMLError:
                 continue  # not valid JSON or YAML: jsonargparse reports the flag
-        else:
-            continue
-        for given, path in named:
-            module, _, name = path.rpartition(".")
-            # A short name elsewhere may be one of Lightning's (`EarlyStopping`), which jsonargparse resolves.
-            if not module and (path in RESIDUALS or given.startswith("--model.residual")):
-                raise ConfigError(f"{given}: {undotted_class_path_fix(path)}")
-            if module and not importable(module, name):
-                raise ConfigError(f"{given}: no class {name} in an importable module {module}; check the spelling")
+            yield from ((f"{flag} class_path {path}", path) for path in paths)
+
+
+def user_class_paths(args: list[str]) -> list[str]:
+    """The dotted class paths the user names: in flags (`flag_class_paths`, `--model.residual package.Class`) and
+    in the `--config` files."""
+    named = [path for _, path in flag_class_paths(args)]
+    for flag, value in flag_values(args):
+        if flag == "--model.residual" and not value.lstrip().startswith(("{", "[")):
+            named.append(value)
+        elif flag in ("-c", "--config") and Path(value).is_file():
+            named += class_paths(yaml.safe_load(read_recipe(Path(value))))
+    return [path for path in named if "." in path]
 
 
 def undotted_class_path_fix(path: str) -> str:

@@ -34,7 +34,7 @@ def fit_args(root: Path, *extra: str) -> list[str]:
     [
         (["--model.residual.class_path", "nonexistent_mod.Foo"],
          "--model.residual.class_path nonexistent_mod.Foo: no class Foo in an importable module nonexistent_mod;"
-         " check the spelling"),
+         " check the spelling, and run from the folder that holds nonexistent_mod or add that folder to PYTHONPATH"),
         (["--model.residual.blocks", "0"], "blocks must be >= 1 (or None for full routing), got 0"),
         (["--data.batch_size", "0"], "data.batch_size=0 must be >= 1"),
         (["--data.path", "/nonexistent/data"],

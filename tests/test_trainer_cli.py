@@ -52,7 +52,8 @@ def test_validation_every_n_steps_spans_epochs_and_resume_across_them_is_exact(t
     "extra, line",
     [
         (["--model.residual", '{"class_path": "my.mod.Nope"}'],
-         "--model.residual class_path my.mod.Nope: no class Nope in an importable module my.mod; check the spelling"),
+         "--model.residual class_path my.mod.Nope: no class Nope in an importable module my.mod; check the spelling,"
+         " and run from the folder that holds my or add that folder to PYTHONPATH"),
         (["--model.residual", '{"class_path": "mhar"}'],
          "--model.residual class_path mhar: a class_path names a class with its module: class_path:"
          " mhar_lightning.residual.routed.MHAR (or residual: mhar, without arguments)"),
@@ -61,7 +62,7 @@ def test_validation_every_n_steps_spans_epochs_and_resume_across_them_is_exact(t
          " mhar_lightning.residual.MHAR (a strategy name goes alone: residual: mhar)"),
         (["--trainer.callbacks", '[{"class_path": "my.mod.Nope"}]'],
          "--trainer.callbacks class_path my.mod.Nope: no class Nope in an importable module my.mod; check the"
-         " spelling"),
+         " spelling, and run from the folder that holds my or add that folder to PYTHONPATH"),
         (["--model.model_overrides", '{"nosuch": 60}'],
          "model.model_overrides has no field 'nosuch'; valid fields: vocab_size, d_model, n_layers, n_heads,"
          " n_kv_heads, ffn_hidden, rope_theta, max_seq_len, norm_eps, tie_embeddings, init_std, head_size,"

@@ -2,8 +2,9 @@
 
 Lightning's CLI replaces the model arguments with the checkpoint's hyperparameters when `ckpt_path` is a file, so
 `--model.residual sum` on an MHAR checkpoint used to train the MHAR model and exit 0. Here every model argument
-the user gave (in a config file or a flag) is compared with the checkpoint first. Arguments that only choose how
-the same model runs (`RUNTIME_FIELDS`) may change on resume and keep the user's value.
+the user gave (in a config file or a flag) is compared with the checkpoint first: a checkpoint of another model
+(residual, shape) is named as such in one line, before any single setting. Arguments that only choose how the same
+model runs (`RUNTIME_FIELDS`) may change on resume and keep the user's value.
 """
 
 from dataclasses import asdict
@@ -29,6 +30,47 @@ RUNTIME_FIELDS = frozenset(
 )
 TRAINING_FIELDS = frozenset({"optimizer", "grad_clip"})  # used by `fit` only: `validate` may differ in them
 LINKED_FIELDS = frozenset({"vocab_size", "seq_len"})  # set from the data config and checked against it elsewhere
+SIZE_FIELDS = frozenset({"vocab_size", "max_seq_len"})  # of the shape, set from the data (checked against it elsewhere)
+
+
+def check_same_model(
+    given: dict[str, Any],
+    model: dict[str, Any],
+    hparams: dict[str, Any],
+    path: str,
+    tokenizers: tuple[str | None, str | None],
+    training: bool = True,
+) -> None:
+    """Raise `CheckpointError`, naming every difference in one line, when the residual or the shape the user gave
+    (`given`, `model` as in `runtime_overrides`) is not the checkpoint's; `tokenizers` (the config's, the
+    checkpoint's) add the vocabulary to that line when they differ too."""
+    parts = []
+    if "residual" in given and "residual" in hparams:
+        residual = differences("residual", None, model["residual"], hparams)
+        parts += [f"residual {mine} vs {theirs}" for _, mine, theirs in residual]
+    trained = hparams.get("model_config")
+    if trained and model.get("init_from") is None and given.keys() & {"preset", "model_overrides"}:
+        try:
+            mine = ModelConfig.preset(model.get("preset") or "tiny", **(model.get("model_overrides") or {})).to_dict()
+        except (TypeError, ValueError):
+            mine = {}  # refused with its own message when the model is built
+        differ = sorted(key for key in mine.keys() - SIZE_FIELDS if mine[key] != trained.get(key, mine[key]))
+        shape = [f"{key} {mine[key]} vs {trained[key]}" for key in differ]
+        if shape:
+            parts.append("shape " + ", ".join(shape))
+    if not parts:
+        return
+    if None not in tokenizers and tokenizers[0] != tokenizers[1]:
+        parts.append(f"vocabulary {tokenizers[0]} vs {tokenizers[1]}")
+    fix = (
+        "resume it with the settings it was trained with (the config.yaml under its run folder records them), or drop"
+        " --ckpt_path to train the config's model from the start"
+        if training
+        else "validate it with the settings it was trained with (the config.yaml under its run folder records them)"
+    )
+    raise CheckpointError(
+        f"checkpoint {path} is a different model from the config's ({'; '.join(parts)}; the config's first): {fix}"
+    )
 
 
 def runtime_overrides(

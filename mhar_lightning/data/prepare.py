@@ -4,7 +4,8 @@ Sources are a file or a folder of ``.txt``/``.md``/``.py`` files (one document e
 document per line, taken from a text field) and, when pyarrow is installed, ``.parquet`` files (one document per
 row of a text column). Files are read in sorted order; a document goes to validation when its content hash falls
 below ``val_fraction``, so the split is stable across runs, machines and file orderings, and identical documents
-always land on the same side.
+always land on the same side. A corpus too small for ``val_fraction`` to hold out any document holds out the one of
+lowest hash instead, so a validation split exists whenever there are two documents or more.
 """
 
 from __future__ import annotations
@@ -99,10 +100,14 @@ def jsonl_text(line: str, text_field: str, where: str) -> str | None:
     return record[text_field]
 
 
+def document_hash(text: str) -> int:
+    """A document's place in the split: the first 8 bytes of its sha256, an integer below 2**64."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
 def is_validation(text: str, val_fraction: float) -> bool:
-    """Whether a document is held out: its sha256, read as a fraction of 2**64, is below ``val_fraction``."""
-    digest = hashlib.sha256(text.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+    """Whether a document is held out: its hash, read as a fraction of 2**64, is below ``val_fraction``."""
+    return document_hash(text) < val_fraction * 2**64
 
 
 def prepare_files(
@@ -132,7 +137,20 @@ def prepare_files(
     tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        index = _tokenize_into(tmp, files, tokenizer, val_fraction, text_field, shard_tokens, progress, source)
+        args = (files, tokenizer, text_field, shard_tokens, progress)
+        index, lowest = _tokenize_into(tmp, *args, val_fraction * 2**64)
+        if val_fraction > 0 and index.documents["val"] == 0 and index.documents["train"] >= 2:
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            index, _ = _tokenize_into(tmp, *args, lowest + 1)  # holds out the document(s) of lowest hash
+            index.meta["val_lowest_hash"] = True
+        if index.documents["train"] == 0 or (val_fraction > 0 and index.documents["val"] == 0):
+            raise ValueError(
+                f"{source or 'the source'} gave {index.documents['train']} training and {index.documents['val']}"
+                " validation documents: add documents, or pass --val-fraction 0 for no validation split"
+            )
+        index.meta.update(source=source, val_fraction=val_fraction)
+        index.save(tmp)
         _publish(tmp, out, overwrite)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -174,24 +192,28 @@ def _tokenize_into(
     directory: Path,
     files: Sequence[Path],
     tokenizer: Tokenizer,
-    val_fraction: float,
     text_field: str,
     shard_tokens: int,
     progress: bool,
-    source: str,
-) -> ShardIndex:
+    val_below: float,
+) -> tuple[ShardIndex, int]:
+    """Write the shards of ``files`` into ``directory``, holding out the documents whose hash is below ``val_below``;
+    returns their unsaved index and the lowest document hash."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
     documents = dict.fromkeys(SPLITS, 0)
     skipped = batch_chars = 0
     not_utf8: list[Path] = []
     batch: list[str] = []
+    lowest = 2**64
 
     def flush() -> None:
-        nonlocal batch_chars
+        nonlocal batch_chars, lowest
         tokens: dict[str, list[int]] = {split: [] for split in SPLITS}
         for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
-            split = "val" if is_validation(text, val_fraction) else "train"
+            place = document_hash(text)
+            lowest = min(lowest, place)
+            split = "val" if place < val_below else "train"
             tokens[split] += ids
             tokens[split].append(tokenizer.eot_id)
             documents[split] += 1
@@ -219,26 +241,14 @@ def _tokenize_into(
                 not_utf8.append(path)
             bar.advance(task, path.stat().st_size)
         flush()
-    if documents["train"] == 0 or (val_fraction > 0 and documents["val"] == 0):
-        raise ValueError(
-            f"{source or 'the source'} gave {documents['train']} training and {documents['val']} validation "
-            "documents: add documents or change --val-fraction so that both splits are non-empty"
-        )
     index = ShardIndex(
         tokenizer=TokenizerInfo.of(tokenizer),
         dtype=dtype.name,
         splits={split: writer.close() for split, writer in writers.items()},
         documents=documents,
-        meta={
-            "source": source,
-            "files": len(files),
-            "skipped_documents": skipped,
-            "skipped_not_utf8": [str(path) for path in not_utf8],
-            "val_fraction": val_fraction,
-        },
+        meta={"files": len(files), "skipped_documents": skipped, "skipped_not_utf8": [str(path) for path in not_utf8]},
     )
-    index.save(directory)
-    return index
+    return index, lowest
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -307,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.out}: {index.num_tokens('train')} train / {index.num_tokens('val')} val tokens "
         f"({index.documents['train']} / {index.documents['val']} documents, tokenizer {tokenizer.name}, {index.dtype})"
         + skipped_summary(index.meta)
+        + (
+            f"; --val-fraction {args.val_fraction} held out no document of so small a corpus, so the one of lowest"
+            " hash is the validation split"
+            if index.meta.get("val_lowest_hash")
+            else ""
+        )
     )
     return 0
 

@@ -11,14 +11,17 @@ from typing import Any
 
 from mhar_lightning.errors import CheckpointError
 from mhar_lightning.residual.base import RESIDUALS
+from mhar_lightning.user_modules import allow_user_module
 
 NAMED_BY_USER: set[str] = set()
 """Class paths the user named in this process (a flag or a recipe), which files may name too."""
 
 
 def allow_class_path(class_path: str) -> None:
-    """Let files name `class_path` in this process: the user named it."""
+    """Let files name `class_path` in this process, and its module be found in the current folder: the user named
+    it."""
     NAMED_BY_USER.add(class_path)
+    allow_user_module(class_path)
 
 
 def imported(class_path: str) -> object | None:

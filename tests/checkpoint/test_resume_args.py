@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import copy_run, fast_demo_args
+from cli_helpers import DEMO, copy_run, fast_demo_args
 from test_cli import run
+
+from mhar_lightning.checkpoint.digest import DIGEST_KEY, content_digest
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
 
@@ -16,15 +18,25 @@ def trained(tmp_path_factory, demo_run: Path) -> Path:
     return copy_run(demo_run, tmp_path_factory.mktemp("trained"))
 
 
+RESUMED = (
+    ": a resumed run keeps its model and optimizer, so drop the flag (another model or optimizer is a new run, e.g."
+    " from converted weights with --model.init_from)"
+)
+OTHER_MODEL = (
+    ": resume it with the settings it was trained with (the config.yaml under its run folder records them), or drop"
+    " --ckpt_path to train the config's model from the start"
+)
+
+
 @pytest.mark.parametrize(
     "flag, value, line",
     [
-        ("--model.residual", "sum", "--model.residual=SumResidual() contradicts checkpoint {ckpt}, trained with"
-         " residual=MHAR(heads=4, blocks=None)"),
-        ("--model.model_overrides", "{d_model: 128}", "--model.model_overrides.d_model=128 contradicts checkpoint"
-         " {ckpt}, trained with model_overrides.d_model=64"),
+        ("--model.residual", "sum", "checkpoint {ckpt} is a different model from the config's (residual SumResidual()"
+         " vs MHAR(heads=4, blocks=None); the config's first)" + OTHER_MODEL),
+        ("--model.model_overrides", "{d_model: 128}", "checkpoint {ckpt} is a different model from the config's"
+         " (shape d_model 128 vs 64; the config's first)" + OTHER_MODEL),
         ("--model.optimizer.lr", "0.01", "--model.optimizer.lr=0.01 contradicts checkpoint {ckpt}, trained with"
-         " optimizer.lr=0.003"),
+         " optimizer.lr=0.003" + RESUMED),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("ckpt_path", ["file", "last"])
@@ -36,11 +48,31 @@ def test_a_model_flag_that_contradicts_the_checkpoint_is_refused(
     args = [*fast_demo_args(trained, max_steps=3), flag, value]
     code, _, err = run([*args, "--ckpt_path", str(ckpt) if ckpt_path == "file" else "last"], capsys)
     assert code == 2
-    assert err.strip().splitlines()[-1] == (
-        f"mhar: error: {line.format(ckpt=ckpt)}: a resumed run keeps its model and optimizer, so drop the flag"
-        " (another model or optimizer is a new run, e.g. from converted weights with --model.init_from)"
-    )
+    assert err.strip().splitlines()[-1] == f"mhar: error: {line.format(ckpt=ckpt)}"
     assert ckpt.stat().st_mtime_ns == before
+
+
+def test_a_checkpoint_of_another_model_is_named_before_any_optimizer_setting(
+    trained: Path, tmp_path: Path, capsys
+) -> None:
+    """The recipe's model and optimizer both differ from the checkpoint's: the model comes first, in one line."""
+    raw = torch.load(trained / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    hparams = raw["hyper_parameters"]
+    hparams["residual"] = {"class_path": "mhar_lightning.residual.SumResidual", "init_args": {}}
+    hparams["model_config"] = {**hparams["model_config"], "d_model": 96, "n_layers": 3}
+    hparams["optimizer"] = {**hparams["optimizer"], "lr": 0.01, "warmup_steps": 5}
+    raw["datamodule_hyper_parameters"]["tokenizer"] = "gpt2"
+    raw[DIGEST_KEY] = content_digest(raw)  # an intact checkpoint of that other model
+    other = tmp_path / "other.ckpt"
+    torch.save(raw, other)
+    args = ["fit", "--config", str(DEMO), "--trainer.default_root_dir", str(tmp_path / "run"), "--ckpt_path", other]
+    code, _, err = run([str(arg) for arg in args], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"mhar: error: checkpoint {other} is a different model from the config's (residual MHAR(heads=4, blocks=None)"
+        " vs SumResidual(); shape d_model 64 vs 96, n_layers 4 vs 3; vocabulary byte vs gpt2; the config's first)"
+        + OTHER_MODEL
+    ]
 
 
 def test_runtime_flags_change_on_resume_and_the_rest_comes_from_the_checkpoint(trained: Path, capsys) -> None:
@@ -75,7 +107,7 @@ def test_validate_with_a_contradicting_model_flag_names_the_training_value(train
     code, _, err = run([*args, "--trainer.limit_val_batches", "1"], capsys)
     assert code == 2
     expected = (
-        "trained with residual=MHAR(heads=4, blocks=None): validation runs the checkpoint's model, so drop the flag"
-        " or give the value it was trained with (a recipe's model settings count as given)"
+        "(residual SumResidual() vs MHAR(heads=4, blocks=None); the config's first): validate it with the settings it"
+        " was trained with (the config.yaml under its run folder records them)"
     )
     assert err.strip().splitlines()[-1].endswith(expected)

@@ -45,7 +45,7 @@ def converted(source):
     conv, data = root / "conv", root / "data"
     assert mhar("convert-hf", root / "hf", conv, *DELTA) == 0
     # the source directory and the converted one ship the same tokenizer: shards match either by content
-    assert mhar("prepare", corpus, data, "--tokenizer", root / "hf", "--val-fraction", "0.1", "--no-progress") == 0
+    assert mhar("prepare", corpus, data, "--tokenizer", root / "hf", "--no-progress") == 0  # as docs/midtrain.md
     return root, hf, conv, data
 
 
@@ -65,7 +65,6 @@ def fit_args(root: Path, conv: Path, data: Path, max_steps: int) -> list[str]:
         "--model.init_from", conv, "--data.tokenizer", conv, "--data.path", data,
         "--trainer.default_root_dir", root,
         "--trainer.max_steps", max_steps,
-        "--trainer.log_every_n_steps", 1,
         "--trainer.val_check_interval", 2,
         "--trainer.limit_val_batches", 2,
         "--trainer.enable_progress_bar", "false",

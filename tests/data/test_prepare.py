@@ -1,6 +1,7 @@
 """`mhar prepare`: sources, the deterministic validation split, the CLI, and the cached default corpus."""
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -15,7 +16,7 @@ from data_helpers import split_documents
 
 from mhar_lightning.cli import main as mhar
 from mhar_lightning.data import corpus
-from mhar_lightning.data.prepare import discover, main, prepare_files
+from mhar_lightning.data.prepare import discover, is_validation, main, prepare_files
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenStream
 from mhar_lightning.data.tokenizer import load_tokenizer
 
@@ -93,9 +94,30 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "does not exist" in capsys.readouterr().err
     assert main([str(src), str(tmp_path / "o3"), "--text-field", "body"]) == 1
     assert "no 'body' field" in capsys.readouterr().err
-    assert main([str(src), str(tmp_path / "o4"), "--val-fraction", "0.0001", "--tokenizer", "byte"]) == 1
-    assert "both splits are non-empty" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "out"]  # no partial folders left behind
+    one = _write_jsonl(tmp_path / "one.jsonl", DOCS[:1])
+    assert main([str(one), str(tmp_path / "o4"), "--tokenizer", "byte", "--no-progress"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "gave 1 training and 0 validation documents: add documents, or pass --val-fraction 0 for no validation split\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "one.jsonl", "out"]  # no partial folders
+
+
+def test_a_small_corpus_holds_out_its_document_of_lowest_hash(tmp_path: Path, capsys) -> None:
+    """At the default --val-fraction, 12 documents hash to no validation document; the lowest hash is held out."""
+    docs = DOCS[:12]
+    assert not any(is_validation(doc, 0.01) for doc in docs)  # what the plain hash split gives
+    lowest = min(docs, key=lambda doc: hashlib.sha256(doc.encode()).digest())
+    src, out = _write_jsonl(tmp_path / "docs.jsonl", docs), tmp_path / "out"
+    with pytest.raises(SystemExit) as done:
+        mhar(["prepare", str(src), str(out), "--tokenizer", "byte", "--no-progress"])
+    assert done.value.code == 0
+    index = ShardIndex.load(out)
+    assert index.documents == {"train": 11, "val": 1}
+    assert index.num_tokens("val") == len(lowest.encode()) + 1  # its bytes and the end-of-text token
+    assert capsys.readouterr().out.strip().endswith(
+        "(11 / 1 documents, tokenizer byte, uint16); --val-fraction 0.01 held out no document of so small a corpus,"
+        " so the one of lowest hash is the validation split"
+    )
 
 
 @pytest.mark.parametrize("line", ['"a string"', "7", '{"text": 5}', "not json", "[1]"])
