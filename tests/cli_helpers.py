@@ -174,3 +174,16 @@ def stand_in_converted(recipe: Path, out: Path) -> Path:
     (out / CONFIG_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION, "model": model, "residual": residual}))
     (out / INDEX_FILE).write_text(json.dumps({"weight_map": {}}))
     return out
+
+
+def mhar(args: list[object], capsys) -> tuple[int, str]:
+    """Exit code and stderr of `mhar <args>` run in this process (0 when it returns normally)."""
+    from mhar_lightning.cli import main
+
+    capsys.readouterr()
+    try:
+        main([str(arg) for arg in args])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    return code, capsys.readouterr().err

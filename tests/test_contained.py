@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import DEMO
+from cli_helpers import DEMO, mhar
 
-from mhar_lightning.cli import main
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.contained import inside
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
@@ -23,17 +22,6 @@ from mhar_lightning.model import Decoder
 from mhar_lightning.residual import make_residual
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
-
-
-def mhar(args: list[object], capsys) -> tuple[int, str]:
-    """Exit code and stderr of `mhar <args>`."""
-    capsys.readouterr()
-    try:
-        main([str(arg) for arg in args])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 def converted_dir(out: Path) -> Path:

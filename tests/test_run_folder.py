@@ -10,23 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, NO_PROBES, copy_run, fast_demo_args
+from cli_helpers import DEMO, NO_PROBES, copy_run, fast_demo_args, mhar
 
-from mhar_lightning.cli import main
 from mhar_lightning.run_folder import LOCK_FILE, Holder, RunLock
 
 pytestmark = pytest.mark.usefixtures("default_corpus")
-
-
-def mhar(args: list[object], capsys) -> tuple[int, str]:
-    """Exit code and stderr of `mhar <args>`."""
-    capsys.readouterr()
-    try:
-        main([str(arg) for arg in args])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 def dead_pid() -> int:

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import DEMO, fast_demo_args
+from cli_helpers import DEMO, fast_demo_args, mhar
 from residual_helpers import install_plugin
 
 import mhar_lightning.residual.trust as trust
 from mhar_lightning.checkpoint.digest import DIGEST_KEY, with_digest
-from mhar_lightning.cli import main
 from mhar_lightning.config import ModelConfig
 from mhar_lightning.convert.checkpoint import CONFIG_FILE, FORMAT_VERSION
 from mhar_lightning.convert.safetensors_io import TensorEntry, write_sharded
@@ -48,17 +47,6 @@ def recorder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path
     monkeypatch.setattr(RESIDUALS, "classes", dict(RESIDUALS.classes))
     yield f"{name}.Recorded", marker
     sys.modules.pop(name, None)
-
-
-def mhar(args: list[object], capsys) -> tuple[int, str]:
-    """Exit code and stderr of `mhar <args>`."""
-    capsys.readouterr()
-    try:
-        main([str(arg) for arg in args])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 def naming(checkpoint: Path, class_path: str, out: Path) -> Path:
