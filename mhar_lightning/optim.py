@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -36,6 +36,8 @@ CHOICES = {"name": Algorithm, "schedule": Schedule}
 """Fields that take an enum's value. They are typed as `Literal`s of the values: the command line parses an `Enum`
 by its member names (`WSD`), so `--model.optimizer.schedule wsd` fell back to a plain mapping and dropped the
 recipe's other optimizer settings."""
+NUMBER_FIELDS: dict[str, type | tuple[type, ...]] = {"float": (int, float), "int": int, "tuple": (int, float)}
+"""What the numeric fields (by annotation; `tuple`: both betas) must hold before their ranges are checked."""
 
 
 @dataclass
@@ -72,6 +74,16 @@ class OptimizerConfig:
             raise ValueError(
                 f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}: use one of {', '.join(MUON_ADJUST_LR)}"
             )
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"optimizer.betas={self.betas!r}: set --model.optimizer.betas [beta1, beta2]")
+        for spec in fields(self):
+            value, kind = getattr(self, spec.name), NUMBER_FIELDS.get(str(getattr(spec.type, "__name__", spec.type)))
+            values = value if spec.name == "betas" else (value,)
+            if kind is not None and not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(
+                    f"optimizer.{spec.name}={value!r} is not {what}: set --model.optimizer.{spec.name} to {what}"
+                )
         checks = {
             "lr": self.lr > 0,
             "weight_decay": self.weight_decay >= 0,

@@ -42,6 +42,10 @@ def fit_args(root: Path, *extra: str) -> list[str]:
         (["--trainer.max_steps", "-1"],
          "trainer.max_steps=-1: set --trainer.max_steps N (N >= 1); the learning-rate schedule is defined over"
          " optimizer steps"),
+        (["--model.optimizer.lr", "abc"], "optimizer.lr='abc' is not a number: set --model.optimizer.lr to a number"),
+        (["--data.val_samples", "-3"],
+         "data.val_samples=-3 must be >= 1: set --data.val_samples N windows, or null for one pass over the validation"
+         " tokens"),
         (["--model.optimizer.lr", "-0.1"],
          "optimizer.lr=-0.1 is out of range: lr, muon_lr and eps > 0, betas and muon_momentum in [0, 1), weight_decay,"
          " muon_weight_decay, routing_lr_mult and warmup_steps >= 0, min_lr_ratio in [0, 1], decay_fraction in (0, 1]"),

@@ -53,6 +53,11 @@ class TokenDataModule(L.LightningDataModule):
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if value < 1:
                 raise ValueError(f"data.{name}={value} must be >= 1")
+        if val_samples is not None and val_samples < 1:
+            raise ValueError(
+                f"data.val_samples={val_samples} must be >= 1: set --data.val_samples N windows, or null for one pass"
+                " over the validation tokens"
+            )
         if num_workers < 0:
             raise ValueError(
                 f"data.num_workers={num_workers} must be >= 0: set --data.num_workers 0 to load batches in the training"
