@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mhar_lightning.errors import CheckpointError, ConfigError
+from mhar_lightning.processes import process_alive
 
 LOCK_FILE = ".mhar-run.lock"
 LAST_PATTERN = "last*.ckpt"
@@ -28,15 +29,7 @@ class Holder:
 
     def alive(self) -> bool:
         """Whether the holder may still run: always, unless it is a process of this host that has ended."""
-        if self.host != socket.gethostname():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another user's live process
-            return True
-        return True
+        return process_alive(self.pid, self.host)
 
 
 class RunLock:

@@ -30,6 +30,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from mhar_lightning.data.shards import ShardIndex, ShardWriter, TokenizerInfo, token_dtype
 from mhar_lightning.data.tokenizer import Tokenizer, load_tokenizer
+from mhar_lightning.processes import process_alive
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".py"})
 SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}
@@ -175,17 +176,6 @@ def remove_abandoned_builds(out: Path) -> list[Path]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (one of another user counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _tokenize_into(
