@@ -36,28 +36,5 @@ if __name__ != "mhar_lightning.kernels":
     sys.modules[__name__] = module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[__name__])
 else:
-    from mhar_lightning.kernels.dispatch import (
-        BACKENDS,
-        ENV_BACKEND,
-        KEY_NORM_EPS,
-        RouteQuery,
-        depth_route,
-        depth_route_lse,
-        merge_norm,
-        merge_source,
-        reference,
-        resolve_backend,
-    )
-
-    __all__ = [
-        "BACKENDS",
-        "ENV_BACKEND",
-        "KEY_NORM_EPS",
-        "RouteQuery",
-        "depth_route",
-        "depth_route_lse",
-        "merge_norm",
-        "merge_source",
-        "reference",
-        "resolve_backend",
-    ]
+    from mhar_lightning.kernels.dispatch import *  # noqa: F403 (the public API: dispatch.__all__)
+    from mhar_lightning.kernels.dispatch import __all__  # noqa: F401
